@@ -1,0 +1,55 @@
+// Library-level entry points: version, build description, capabilities.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "error.h"
+
+#ifndef MG_VERSION
+#define MG_VERSION "unknown"
+#endif
+#ifndef MG_CUDA_ARCHS
+#define MG_CUDA_ARCHS "unknown"
+#endif
+
+namespace {
+
+uint32_t capabilities() {
+  uint32_t caps = MG_CAP_SETUP;
+#ifdef MG_HAVE_GROUPED_GEMM_16BIT
+  caps |= MG_CAP_GROUPED_GEMM_16BIT;
+#endif
+#ifdef MG_HAVE_GROUPED_GEMM_FP8_BLOCKWISE
+  caps |= MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE;
+#endif
+#ifdef MG_HAVE_PERMUTE
+  caps |= MG_CAP_PERMUTE;
+#endif
+  return caps;
+}
+
+std::string describe() {
+  std::string info = "moe_grouped core " MG_VERSION "; CUDA runtime ";
+  info += std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+  info += "; archs " MG_CUDA_ARCHS "; kernels: setup";
+  uint32_t caps = capabilities();
+  if (caps & MG_CAP_GROUPED_GEMM_16BIT) info += ", grouped_gemm_bf16_fp16";
+  if (caps & MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE) info += ", grouped_gemm_fp8_blockwise";
+  if (caps & MG_CAP_PERMUTE) info += ", permute";
+  return info;
+}
+
+}  // namespace
+
+extern "C" {
+
+int mg_abi_version(void) { return MG_ABI_VERSION; }
+
+const char* mg_build_info(void) {
+  static const std::string info = describe();
+  return info.c_str();
+}
+
+uint32_t mg_capabilities(void) { return capabilities(); }
+
+}  // extern "C"

@@ -1,0 +1,246 @@
+"""Loads the CUDA core (``libmoe_grouped_core.so``) with ctypes.
+
+The library is optional: when it is missing or cannot load, :data:`lib` is
+``None`` and :data:`unavailable_reason` says why. Every C call returns an
+``mg_status``; :func:`check` turns a failure into a Python exception carrying
+the core's own message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from typing import Optional
+
+import torch
+
+ABI_VERSION = 1
+LIBRARY_ENV = "MOE_GROUPED_CORE_LIB"
+
+# mg_status
+OK = 0
+ERROR_INVALID_ARGUMENT = 1
+ERROR_CAPTURE = 2
+ERROR_CUDA = 3
+ERROR_UNSUPPORTED = 4
+ERROR_OUT_OF_MEMORY = 5
+ERROR_INTERNAL = 6
+
+# mg_capabilities bits
+CAP_SETUP = 1
+CAP_GROUPED_GEMM_16BIT = 2
+CAP_GROUPED_GEMM_FP8_BLOCKWISE = 4
+CAP_PERMUTE = 8
+
+# mg_gemm_kind
+GEMM_FPROP = 0
+GEMM_DGRAD = 1
+GEMM_WGRAD = 2
+
+# Workspace slots: fprop/dgrad share one, wgrad has its own (they can sit in
+# one backward graph, and a GEMM may keep state in its workspace).
+SLOT_FPROP_DGRAD = 0
+SLOT_WGRAD = 1
+MAX_SLOTS = 8
+
+_DTYPE_CODES = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.int32: 3,
+    torch.int64: 4,
+    torch.float8_e4m3fn: 5,
+    torch.float8_e5m2: 6,
+}
+
+
+class CoreError(RuntimeError):
+    """A call into the CUDA core failed; the message is the core's."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+class CaptureError(CoreError):
+    """The core would have to allocate while a CUDA graph is being captured."""
+
+
+class UnsupportedError(CoreError):
+    """The core does not support this on this build or device."""
+
+
+class WorkspaceStats(ctypes.Structure):
+    _fields_ = [
+        ("capacity", ctypes.c_size_t),
+        ("high_water", ctypes.c_size_t),
+        ("retired_bytes", ctypes.c_size_t),
+        ("grow_count", ctypes.c_uint64),
+    ]
+
+
+class GroupOperand(ctypes.Structure):
+    """``mg_group_operand``: one [E, rows, cols] tensor or E pointers."""
+
+    _fields_ = [
+        ("base", ctypes.c_void_p),
+        ("group_stride", ctypes.c_int64),
+        ("ptrs", ctypes.c_void_p),
+    ]
+
+
+class GroupedProblem(ctypes.Structure):
+    """``mg_grouped_problem``."""
+
+    _fields_ = [
+        ("num_groups", ctypes.c_int),
+        ("total_rows", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("m_splits", ctypes.c_void_p),
+        ("splits_dtype", ctypes.c_int),
+        ("dtype", ctypes.c_int),
+        ("device", ctypes.c_int),
+        ("workspace_slot", ctypes.c_int),
+    ]
+
+
+_vp = ctypes.c_void_p
+_PROTOTYPES = {
+    "mg_last_error": (ctypes.c_char_p, []),
+    "mg_abi_version": (ctypes.c_int, []),
+    "mg_build_info": (ctypes.c_char_p, []),
+    "mg_capabilities": (ctypes.c_uint32, []),
+    "mg_workspace_reserve": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_size_t]),
+    "mg_workspace_get": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_int, ctypes.c_size_t, _vp, ctypes.POINTER(ctypes.c_void_p)],
+    ),
+    "mg_workspace_stats_get": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_int, ctypes.POINTER(WorkspaceStats)],
+    ),
+    "mg_workspace_release": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "mg_grouped_setup": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+         ctypes.c_int, _vp, _vp, _vp],
+    ),
+    # Grouped GEMMs: present only when the core was built with them.
+    "mg_grouped_gemm_workspace_size": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "mg_grouped_fprop": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, GroupOperand, _vp, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_dgrad": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, GroupOperand, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_wgrad": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, _vp, GroupOperand, ctypes.c_int, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_dbias": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, _vp, ctypes.c_int, _vp],
+    ),
+}
+_REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")
+
+
+def _library_path() -> Optional[str]:
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        return override
+    # find_spec resolves the file in an installed wheel and in an editable
+    # install alike, without importing it (it is not a Python module).
+    spec = importlib.util.find_spec(f"{__package__}.libmoe_grouped_core")
+    return spec.origin if spec is not None else None
+
+
+def _build_reason() -> str:
+    try:
+        from . import _core_status
+    except ImportError:
+        return "the package was not installed through its build (no _core_status module)"
+    return _core_status.REASON
+
+
+def _load() -> tuple[Optional[ctypes.CDLL], str]:
+    path = _library_path()
+    if path is None:
+        return None, f"core not built: {_build_reason()}"
+    try:
+        library = ctypes.CDLL(path)
+    except OSError as exc:
+        return None, f"core at {path} failed to load: {exc}"
+    for name, (restype, argtypes) in _PROTOTYPES.items():
+        function = getattr(library, name, None)
+        if function is None:
+            if name in _REQUIRED:
+                return None, f"core at {path} lacks {name}; rebuild the package"
+            continue
+        function.restype = restype
+        function.argtypes = argtypes
+    version = library.mg_abi_version()
+    if version != ABI_VERSION:
+        return None, (
+            f"core at {path} has ABI version {version}, this package expects {ABI_VERSION}; "
+            "rebuild the package"
+        )
+    return library, ""
+
+
+lib, unavailable_reason = _load()
+library_path: Optional[str] = _library_path() if lib is not None else None
+
+
+def available() -> bool:
+    return lib is not None
+
+
+def capabilities() -> int:
+    return lib.mg_capabilities() if lib is not None else 0
+
+
+def has(capability: int) -> bool:
+    return bool(capabilities() & capability)
+
+
+def require() -> ctypes.CDLL:
+    """The loaded library, or a RuntimeError saying why there is none."""
+    if lib is None:
+        raise RuntimeError(f"the moe_grouped CUDA core is unavailable: {unavailable_reason}")
+    return lib
+
+
+def check(status: int) -> None:
+    """Raises the exception matching a non-zero ``mg_status``."""
+    if status == OK:
+        return
+    message = lib.mg_last_error().decode(errors="replace") or f"core call failed with status {status}"
+    if status == ERROR_CAPTURE:
+        raise CaptureError(status, message)
+    if status == ERROR_UNSUPPORTED:
+        raise UnsupportedError(status, message)
+    if status == ERROR_INVALID_ARGUMENT:
+        raise ValueError(message)
+    if status == ERROR_OUT_OF_MEMORY:
+        raise torch.OutOfMemoryError(message)
+    raise CoreError(status, message)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    try:
+        return _DTYPE_CODES[dtype]
+    except KeyError:
+        raise TypeError(f"the CUDA core has no code for dtype {dtype}") from None
+
+
+def stream_handle(device: torch.device) -> int:
+    """The raw cudaStream_t of the current torch stream on ``device``."""
+    return torch.cuda.current_stream(device).cuda_stream

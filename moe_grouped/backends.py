@@ -1,0 +1,82 @@
+"""Backend names and the choice of a default.
+
+- ``cuda``: the CUDA core (CUTLASS SM90 grouped GEMMs). Default on sm_90 when
+  the core is built with its grouped GEMMs.
+- ``torch``: ``torch._grouped_mm`` with device offsets; graph-safe; the default
+  on other GPUs and the fallback where the core is missing.
+- ``reference``: per-expert PyTorch loops; runs anywhere, reads the token
+  counts on the host (so it cannot be captured); the test oracle and the
+  default on machines without a GPU.
+
+A backend named explicitly is used or fails loudly; it is never swapped for
+another behind the caller's back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _core
+
+BACKENDS = ("reference", "torch", "cuda")
+
+
+def check_name(backend: Optional[str]) -> Optional[str]:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (automatic), got {backend!r}")
+    return backend
+
+
+def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the ``cuda`` backend cannot run on ``device``, or None if it can."""
+    if device.type != "cuda":
+        return f"the cuda backend needs CUDA tensors, got tensors on {device}"
+    if not _core.available():
+        return _core.unavailable_reason
+    if not _core.has(_core.CAP_GROUPED_GEMM_16BIT):
+        return "the core was built without its grouped GEMM kernels"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        name = torch.cuda.get_device_name(device)
+        return f"the core's kernels are built for sm_90a (Hopper), but {name} is sm_{major}{minor}"
+    return None
+
+
+def torch_unavailable_reason(device: torch.device) -> Optional[str]:
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    return None
+
+
+def default_backend(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "reference"
+    if cuda_unavailable_reason(device) is None:
+        return "cuda"
+    return "torch"
+
+
+def resolve(backend: Optional[str], device: torch.device) -> str:
+    """The backend to run on ``device``: the one asked for, or the default."""
+    check_name(backend)
+    if backend is None:
+        return default_backend(device)
+    reason = None
+    if backend == "cuda":
+        reason = cuda_unavailable_reason(device)
+    elif backend == "torch":
+        reason = torch_unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend!r} was requested but is unavailable: {reason}")
+    return backend
+
+
+def available_backends(device: torch.device) -> list[str]:
+    names = ["reference"]
+    if torch_unavailable_reason(device) is None:
+        names.append("torch")
+    if cuda_unavailable_reason(device) is None:
+        names.append("cuda")
+    return names

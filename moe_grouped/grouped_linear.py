@@ -1,0 +1,239 @@
+"""``GroupedLinear``: one linear layer per expert, applied to token-major input.
+
+Conventions follow Megatron/TransformerEngine so that their users feel at
+home: ``m_splits`` (tokens per expert), ``fuse_wgrad_accumulation`` into
+``param.main_grad``, ``delay_wgrad_compute`` with :meth:`GroupedLinear.backward_dw`,
+``single_grouped_weight``.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _checks, backends
+from .ops.common import num_groups_of
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What the autograd function needs to know about the layer."""
+
+    backend: str
+    num_weights: int
+    has_bias: bool
+    fuse_wgrad_accumulation: bool
+    delay_wgrad_compute: bool
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, spec: _Spec, delayed: collections.deque, *params):
+        weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
+        bias = _stack_biases(biases) if spec.has_bias else None
+        y = torch.ops.moe_grouped.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend)
+        ctx.save_for_backward(x, m_splits, *params)
+        ctx.spec = spec
+        ctx.delayed = delayed
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, m_splits, *params = ctx.saved_tensors
+        spec: _Spec = ctx.spec
+        weights, biases = params[: spec.num_weights], params[spec.num_weights :]
+        dy = dy.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend)
+        param_grads = [None] * len(params)
+        if any(ctx.needs_input_grad[4:]):
+            if spec.delay_wgrad_compute:
+                ctx.delayed.append((spec, dy, x, m_splits, weights, biases))
+            else:
+                param_grads = _param_grads(spec, dy, x, m_splits, weights, biases)
+        return (dx, None, None, None, *param_grads)
+
+
+def _stack_biases(biases) -> torch.Tensor:
+    return biases[0] if len(biases) == 1 and biases[0].dim() == 2 else torch.stack(list(biases))
+
+
+def _main_grads(weights) -> list[torch.Tensor]:
+    grads = []
+    for weight in weights:
+        main_grad = getattr(weight, "main_grad", None)
+        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape or main_grad.device != weight.device:
+            raise RuntimeError(
+                "fuse_wgrad_accumulation=True needs every weight to carry a `main_grad` tensor of its "
+                f"shape {tuple(weight.shape)} on {weight.device} (Megatron allocates these); got "
+                f"{None if main_grad is None else (tuple(main_grad.shape), main_grad.device)}. "
+                "Allocate them, e.g. `w.main_grad = torch.zeros_like(w, dtype=torch.float32)`"
+            )
+        grads.append(main_grad)
+    return grads
+
+
+def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases) -> list[Optional[torch.Tensor]]:
+    """Weight and bias gradients, in parameter order.
+
+    With fused accumulation the weight gradients go into ``main_grad`` and
+    autograd gets None for them (``grad_added_to_main_grad`` is set, as
+    Megatron expects).
+    """
+    if spec.fuse_wgrad_accumulation:
+        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, _main_grads(weights), True, spec.backend)
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
+        weight_grads = [None] * len(weights)
+    else:
+        weight_grads = [torch.empty_like(w) for w in weights]
+        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, weight_grads, False, spec.backend)
+    bias_grads = []
+    if spec.has_bias:
+        dbias = torch.ops.moe_grouped.grouped_dbias(dy, m_splits, num_groups_of(weights), dy.dtype, spec.backend)
+        bias_grads = [dbias] if len(biases) == 1 and biases[0].dim() == 2 else list(dbias.unbind(0))
+    return [*weight_grads, *bias_grads]
+
+
+class GroupedLinear(nn.Module):
+    """``num_experts`` independent linear layers over token-major input.
+
+    ``forward(x, m_splits)`` takes ``x`` of shape [M, in_features] whose rows
+    are grouped by expert (expert 0's ``m_splits[0]`` rows first, and so on)
+    and returns [M, out_features].
+
+    Args:
+        num_experts: E, the number of experts.
+        in_features, out_features: K and N of each expert's weight [N, K].
+        bias: add a learned per-expert bias.
+        single_grouped_weight: hold the weights as one [E, N, K] parameter
+            ``weight`` (and one [E, N] ``bias``) instead of E parameters
+            ``weight0 .. weight{E-1}`` (and ``bias0 ..``).
+        fuse_wgrad_accumulation: accumulate weight gradients into the fp32
+            ``main_grad`` tensor each weight carries (Megatron's convention)
+            instead of producing ``.grad``.
+        delay_wgrad_compute: backward computes the input gradient only; call
+            :meth:`backward_dw` afterwards for the parameter gradients.
+        dtype, device: of the parameters.
+        backend: ``"cuda"``, ``"torch"``, ``"reference"`` or None (the device's
+            default, resolved at each call).
+
+    ``m_splits`` is a device tensor of E int32/int64 counts (graph-safe; never
+    read on the host) or a list of ints (validated on the host).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        single_grouped_weight: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        for name, value in (("num_experts", num_experts), ("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.out_features = out_features
+        self.use_bias = bias
+        self.single_grouped_weight = single_grouped_weight
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.backend = backends.check_name(backend)
+        self._delayed: collections.deque = collections.deque()
+        factory = {"dtype": dtype, "device": device}
+        if single_grouped_weight:
+            self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
+            self.bias = nn.Parameter(torch.empty(num_experts, out_features, **factory)) if bias else None
+        else:
+            for e in range(num_experts):
+                self.register_parameter(f"weight{e}", nn.Parameter(torch.empty(out_features, in_features, **factory)))
+                if bias:
+                    self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(out_features, **factory)))
+        self.reset_parameters()
+
+    def weights(self) -> list[torch.Tensor]:
+        """The weight parameters: ``[weight]`` or ``[weight0, ..., weight{E-1}]``."""
+        if self.single_grouped_weight:
+            return [self.weight]
+        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+
+    def biases(self) -> list[torch.Tensor]:
+        if not self.use_bias:
+            return []
+        if self.single_grouped_weight:
+            return [self.bias]
+        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation, independently for each expert."""
+        bound = 1.0 / math.sqrt(self.in_features)
+        for e in range(self.num_experts):
+            weight = self.weight[e] if self.single_grouped_weight else getattr(self, f"weight{e}")
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        for bias in self.biases():
+            nn.init.uniform_(bias, -bound, bound)
+
+    def forward(self, x: torch.Tensor, m_splits: _checks.SplitsLike) -> torch.Tensor:
+        _checks.check_tensor("x", x, dim=2)
+        weights = self.weights()
+        first = weights[0]
+        if x.shape[1] != self.in_features:
+            raise ValueError(
+                f"x must have shape [tokens, {self.in_features}] (in_features), got {tuple(x.shape)}"
+            )
+        if x.dtype != first.dtype:
+            raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {first.dtype}")
+        _checks.check_same_device("the layer's parameters", first, x=x)
+        splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
+        spec = _Spec(
+            backend=backends.resolve(self.backend, x.device),
+            num_weights=len(weights),
+            has_bias=self.use_bias,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            delay_wgrad_compute=self.delay_wgrad_compute,
+        )
+        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *weights, *self.biases())
+
+    def backward_dw(self) -> None:
+        """Computes the parameter gradients that backward deferred.
+
+        With ``delay_wgrad_compute=True``, each backward pass leaves one entry;
+        this consumes the oldest. Gradients go to ``main_grad`` (fused
+        accumulation) or are added to ``.grad``.
+        """
+        if not self.delay_wgrad_compute:
+            raise RuntimeError("backward_dw() is only for layers built with delay_wgrad_compute=True")
+        if not self._delayed:
+            raise RuntimeError("backward_dw() called with no deferred weight gradient; run backward first")
+        spec, dy, x, m_splits, weights, biases = self._delayed.popleft()
+        grads = _param_grads(spec, dy, x, m_splits, weights, biases)
+        for param, grad in zip([*weights, *biases], grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, in_features={self.in_features}, "
+            f"out_features={self.out_features}, bias={self.use_bias}, "
+            f"single_grouped_weight={self.single_grouped_weight}, backend={self.backend}"
+        )

@@ -1,0 +1,166 @@
+"""``torch.library`` registration of the grouped ops and backend dispatch.
+
+Each op takes the backend's name as its last argument; the checks live in the
+public wrappers (``moe_grouped.ops``), so these bodies only dispatch. The fake
+implementations give shapes to meta tensors, FakeTensor and torch.compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from .. import _core
+from ..graphs import nvtx
+from . import reference_backend, torch_backend
+from .common import num_groups_of
+
+_MODULES = {"reference": reference_backend, "torch": torch_backend}
+
+
+def backend_module(name: str) -> ModuleType:
+    """The module implementing ``fprop``/``dgrad``/``wgrad``/``dbias`` for ``name``."""
+    if name not in _MODULES:
+        if name != "cuda":
+            raise ValueError(f"unknown backend {name!r}")
+        # Imported on first use: it needs the built core.
+        _MODULES[name] = importlib.import_module(f"{__package__}.cuda_backend")
+    return _MODULES[name]
+
+
+@torch.library.custom_op("moe_grouped::grouped_fprop", mutates_args=())
+def grouped_fprop(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.fprop[{backend}]"):
+        return backend_module(backend).fprop(x, weights, m_splits, bias, out_dtype)
+
+
+@grouped_fprop.register_fake
+def _(x, weights, m_splits, bias, out_dtype, backend):
+    return x.new_empty(x.shape[0], weights[0].shape[-2], dtype=out_dtype)
+
+
+def _fprop_setup_context(ctx, inputs, output):
+    x, weights, m_splits, bias, _, backend = inputs
+    ctx.save_for_backward(x, m_splits, *weights)
+    ctx.has_bias = bias is not None
+    ctx.backend = backend
+
+
+def _fprop_backward(ctx, grad_y):
+    x, m_splits, *weights = ctx.saved_tensors
+    grad_y = grad_y.to(x.dtype).contiguous()
+    needs_x, needs_w, _, needs_bias = ctx.needs_input_grad[:4]
+    dx = torch.ops.moe_grouped.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend) if needs_x else None
+    dw = None
+    if needs_w:
+        dw = [torch.empty_like(w) for w in weights]
+        torch.ops.moe_grouped.grouped_wgrad_(grad_y, x, m_splits, dw, False, ctx.backend)
+    db = None
+    if ctx.has_bias and needs_bias:
+        db = torch.ops.moe_grouped.grouped_dbias(
+            grad_y, m_splits, num_groups_of(weights), x.dtype, ctx.backend
+        )
+    return dx, dw, None, db, None, None
+
+
+grouped_fprop.register_autograd(_fprop_backward, setup_context=_fprop_setup_context)
+
+
+@torch.library.custom_op("moe_grouped::grouped_dgrad", mutates_args=())
+def grouped_dgrad(
+    dy: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.dgrad[{backend}]"):
+        return backend_module(backend).dgrad(dy, weights, m_splits, out_dtype)
+
+
+@grouped_dgrad.register_fake
+def _(dy, weights, m_splits, out_dtype, backend):
+    return dy.new_empty(dy.shape[0], weights[0].shape[-1], dtype=out_dtype)
+
+
+@torch.library.custom_op("moe_grouped::grouped_wgrad_", mutates_args=("out",))
+def grouped_wgrad_(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    m_splits: torch.Tensor,
+    out: list[torch.Tensor],
+    accumulate: bool,
+    backend: str,
+) -> None:
+    with nvtx.range(f"moe_grouped.wgrad[{backend}]"):
+        backend_module(backend).wgrad(dy, x, m_splits, out, accumulate)
+
+
+@grouped_wgrad_.register_fake
+def _(dy, x, m_splits, out, accumulate, backend):
+    return None
+
+
+@torch.library.custom_op("moe_grouped::grouped_dbias", mutates_args=())
+def grouped_dbias(
+    dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype, backend: str
+) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.dbias[{backend}]"):
+        return backend_module(backend).dbias(dy, m_splits, num_groups, out_dtype)
+
+
+@grouped_dbias.register_fake
+def _(dy, m_splits, num_groups, out_dtype, backend):
+    return dy.new_empty(num_groups, dy.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("moe_grouped::splits_to_offsets", mutates_args=())
+def splits_to_offsets(m_splits: torch.Tensor, total_rows: int, backend: str) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.splits_to_offsets[{backend}]"):
+        if backend == "cuda":
+            return _offsets_from_core(m_splits, total_rows)
+        from .common import offsets_with_zero
+
+        if backend == "reference":
+            counts = [max(0, int(c)) for c in m_splits.tolist()]
+            bounds, running = [0], 0
+            for count in counts:
+                running = min(running + count, total_rows)
+                bounds.append(running)
+            return torch.tensor(bounds, dtype=torch.int64, device=m_splits.device)
+        return offsets_with_zero(m_splits, total_rows)
+
+
+@splits_to_offsets.register_fake
+def _(m_splits, total_rows, backend):
+    return m_splits.new_empty(m_splits.shape[0] + 1, dtype=torch.int64)
+
+
+def _offsets_from_core(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
+    lib = _core.require()
+    offsets = torch.empty(m_splits.shape[0] + 1, dtype=torch.int64, device=m_splits.device)
+    _core.check(
+        lib.mg_grouped_setup(
+            m_splits.data_ptr(),
+            _core.dtype_code(m_splits.dtype),
+            m_splits.shape[0],
+            total_rows,
+            0,
+            0,
+            _core.GEMM_FPROP,
+            offsets.data_ptr(),
+            None,
+            _core.stream_handle(m_splits.device),
+        )
+    )
+    return offsets

@@ -1,0 +1,46 @@
+"""Helpers shared by the backend implementations."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+def is_grouped_layout(weights: Sequence[torch.Tensor]) -> bool:
+    """True for ``[W]`` with W of shape [E, N, K]; False for E tensors [N, K]."""
+    return len(weights) == 1 and weights[0].dim() == 3
+
+
+def num_groups_of(weights: Sequence[torch.Tensor]) -> int:
+    return weights[0].shape[0] if is_grouped_layout(weights) else len(weights)
+
+
+def expert_matrix(weights: Sequence[torch.Tensor], expert: int) -> torch.Tensor:
+    return weights[0][expert] if is_grouped_layout(weights) else weights[expert]
+
+
+def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The weights as one [E, N, K] tensor (a copy for the separate layout)."""
+    return weights[0] if is_grouped_layout(weights) else torch.stack(list(weights))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation precision: float64 stays float64, the rest use float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def end_offsets(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """Inclusive prefix sums of the counts, clamped like the core's setup kernel.
+
+    Negative counts count as zero and no group extends past ``total_rows``, so a
+    wrong ``m_splits`` never makes a kernel read past the buffers. No host sync.
+    """
+    counts = m_splits.to(torch.int64).clamp(min=0, max=total_rows)
+    return torch.cumsum(counts, dim=0).clamp(max=total_rows)
+
+
+def offsets_with_zero(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
+    """``[0, end_0, end_1, ...]``: the E + 1 group boundaries as int64."""
+    ends = end_offsets(m_splits, total_rows)
+    return torch.cat([ends.new_zeros(1), ends])

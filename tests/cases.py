@@ -1,0 +1,119 @@
+"""Split patterns, shapes and the float64 oracle shared by the tests.
+
+The oracle is deliberately independent of the package: explicit loops over
+Python-int boundaries in float64 on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SPLIT_PATTERNS = ("balanced", "skewed", "zero_token_experts", "all_to_one", "single_token_groups")
+
+
+def make_splits(pattern: str, num_experts: int, total: int, seed: int = 0) -> list[int]:
+    """Token counts per expert that sum to ``total``."""
+    gen = torch.Generator().manual_seed(seed)
+    if pattern == "balanced":
+        base = [total // num_experts] * num_experts
+        for i in range(total - sum(base)):
+            base[i] += 1
+        return base
+    if pattern == "skewed":
+        weights = (torch.randn(num_experts, generator=gen) * 1.5).exp()  # log-normal
+        return _apportion(weights, total)
+    if pattern == "zero_token_experts":
+        weights = torch.rand(num_experts, generator=gen) + 0.1
+        weights[::2] = 0  # every other expert gets nothing
+        if num_experts == 1:
+            weights[0] = 1
+        return _apportion(weights, total)
+    if pattern == "all_to_one":
+        counts = [0] * num_experts
+        counts[int(torch.randint(num_experts, (1,), generator=gen))] = total
+        return counts
+    if pattern == "single_token_groups":
+        counts = [1] * min(num_experts, total) + [0] * max(0, num_experts - total)
+        counts[-1] += total - sum(counts)
+        return counts
+    raise ValueError(f"unknown split pattern {pattern!r}")
+
+
+def _apportion(weights: torch.Tensor, total: int) -> list[int]:
+    shares = weights / weights.sum() * total
+    counts = [int(math.floor(s)) for s in shares.tolist()]
+    order = sorted(range(len(counts)), key=lambda i: -(shares[i].item() - counts[i]))
+    for i in order[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def bounds(splits: list[int]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for count in splits:
+        out.append((start, start + count))
+        start += count
+    return out
+
+
+def as_expert_list(weights) -> list[torch.Tensor]:
+    if len(weights) == 1 and weights[0].dim() == 3:
+        return list(weights[0].unbind(0))
+    return list(weights)
+
+
+def oracle_fprop(x, weights, splits, bias=None):
+    ws = [w.detach().double().cpu() for w in as_expert_list(weights)]
+    xd = x.detach().double().cpu()
+    out = torch.zeros(x.shape[0], ws[0].shape[0], dtype=torch.float64)
+    for e, (s, t) in enumerate(bounds(splits)):
+        out[s:t] = xd[s:t] @ ws[e].t()
+        if bias is not None:
+            out[s:t] += bias[e].detach().double().cpu()
+    return out
+
+
+def oracle_dgrad(dy, weights, splits):
+    ws = [w.detach().double().cpu() for w in as_expert_list(weights)]
+    dyd = dy.detach().double().cpu()
+    out = torch.zeros(dy.shape[0], ws[0].shape[1], dtype=torch.float64)
+    for e, (s, t) in enumerate(bounds(splits)):
+        out[s:t] = dyd[s:t] @ ws[e]
+    return out
+
+
+def oracle_wgrad(dy, x, splits):
+    dyd, xd = dy.detach().double().cpu(), x.detach().double().cpu()
+    return torch.stack([dyd[s:t].t() @ xd[s:t] for s, t in bounds(splits)])
+
+
+def oracle_dbias(dy, splits):
+    dyd = dy.detach().double().cpu()
+    return torch.stack([dyd[s:t].sum(0) for s, t in bounds(splits)])
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """1 - cosine-like similarity (DeepGEMM's metric); 0 for identical tensors."""
+    x, y = x.double().cpu(), y.double().cpu()
+    denominator = (x * x + y * y).sum()
+    if denominator == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denominator)
+
+
+# Relative error bounds per dtype against the float64 oracle.
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, case: str) -> None:
+    actual = actual.detach().double().cpu()
+    assert actual.shape == expected.shape, f"{case}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{case}: non-finite values"
+    scale = expected.norm().item()
+    error = (actual - expected).norm().item()
+    if scale == 0:
+        assert error == 0, f"{case}: expected zeros, got norm {error}"
+        return
+    assert error / scale <= TOLERANCE[dtype], f"{case}: relative error {error / scale:.3e} > {TOLERANCE[dtype]:.0e}"

@@ -1,0 +1,135 @@
+"""The C ABI through ctypes: loading, errors, workspace manager, setup kernel."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moe_grouped import _core, workspace
+
+needs_core = pytest.mark.skipif(not _core.available(), reason=f"core unavailable: {_core.unavailable_reason}")
+
+
+def test_core_is_built_when_the_build_required_it():
+    # CI builds with MOE_GROUPED_REQUIRE_CORE=1: then the core must have loaded.
+    if os.environ.get("MOE_GROUPED_REQUIRE_CORE") == "1":
+        assert _core.available(), _core.unavailable_reason
+    else:
+        assert _core.available() or _core.unavailable_reason
+
+
+@needs_core
+def test_abi_and_build_info():
+    assert _core.lib.mg_abi_version() == _core.ABI_VERSION
+    info = _core.lib.mg_build_info().decode()
+    assert "sm_90a" in info and "setup" in info
+    assert _core.has(_core.CAP_SETUP)
+
+
+@needs_core
+def test_invalid_slot_is_a_value_error_with_the_values():
+    with pytest.raises(ValueError, match=r"slot must be in \[0, 8\), got 9"):
+        workspace.stats(0, 9)
+    with pytest.raises(ValueError, match="got -2"):
+        workspace.release(0, -2)
+
+
+@needs_core
+def test_errors_carry_the_core_message():
+    with pytest.raises(ValueError, match="m_splits must be int32 or int64, got float32"):
+        _core.check(_core.lib.mg_grouped_setup(1, _core.dtype_code(torch.float32), 4, 8, 1, 1, 0, 1, None, None))
+    with pytest.raises(ValueError, match="num_groups must be positive, got 0"):
+        _core.check(_core.lib.mg_grouped_setup(1, _core.dtype_code(torch.int32), 0, 8, 1, 1, 0, 1, None, None))
+
+
+@needs_core
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_no_gpu_is_reported_as_a_cuda_error():
+    with pytest.raises(_core.CoreError, match="cudaGetDeviceCount"):
+        workspace.stats(0, 0)
+
+
+def test_info_command_reports_the_build():
+    result = subprocess.run(
+        [sys.executable, "-m", "moe_grouped", "info"], capture_output=True, text=True, check=True
+    )
+    assert "torch" in result.stdout and "core" in result.stdout
+    if _core.available():
+        assert "built and loaded" in result.stdout
+    else:
+        assert _core.unavailable_reason.split(":")[0] in result.stdout
+
+
+gpu_core = [pytest.mark.gpu, needs_core]
+
+
+@pytest.mark.gpu
+@needs_core
+def test_workspace_reserve_get_stats_release():
+    device = torch.cuda.current_device()
+    slot = 5  # a slot no op uses, so the test owns it
+    workspace.release(device, slot)
+    workspace.reserve(device, slot, 1000)
+    first = workspace.stats(device, slot)
+    assert first.capacity >= 1000 and first.grow_count == 1 and first.retired_bytes == 0
+    pointer = workspace.get(device, slot, 500)
+    assert pointer == workspace.get(device, slot, 1000), "a fitting request must not move the buffer"
+    bigger = workspace.get(device, slot, 10 * first.capacity)
+    grown = workspace.stats(device, slot)
+    assert bigger != pointer and grown.grow_count == 2
+    assert grown.retired_bytes == first.capacity, "the old buffer stays alive for graphs that captured it"
+    assert grown.high_water == 10 * first.capacity
+    workspace.release(device, slot)
+    assert workspace.stats(device, slot).capacity == 0
+
+
+@pytest.mark.gpu
+@needs_core
+def test_workspace_refuses_to_grow_during_capture_and_names_the_reservation():
+    device = torch.cuda.current_device()
+    slot = 6
+    workspace.release(device, slot)
+    workspace.reserve(device, slot, 4096)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with pytest.raises(_core.CaptureError, match=rf"reserve\({device}, {slot}, 1048576\)"):
+            with torch.cuda.graph(graph, stream=stream):
+                workspace.get(device, slot, 1 << 20)
+    with torch.cuda.stream(stream), torch.cuda.graph(torch.cuda.CUDAGraph(), stream=stream):
+        workspace.get(device, slot, 4096)  # fits: fine during capture
+    with pytest.raises(RuntimeError, match="before the capture starts"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            workspace.reserve(device, slot, 1 << 20)
+    workspace.release(device, slot)
+
+
+@pytest.mark.gpu
+@needs_core
+@pytest.mark.parametrize("num_groups", [1, 7, 256, 1500])
+@pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
+def test_setup_kernel_offsets_and_problem_shapes(num_groups, splits_dtype):
+    total = 4096
+    gen = torch.Generator().manual_seed(num_groups)
+    raw = torch.randint(0, 2 * total // num_groups + 2, (num_groups,), generator=gen)
+    raw[::3] = 0
+    raw[-1] += max(0, total - int(raw.sum()))  # may overshoot: exercises clamping
+    m_splits = raw.to(splits_dtype).cuda()
+    offsets = torch.empty(num_groups + 1, dtype=torch.int64, device="cuda")
+    shapes = torch.empty(num_groups, 3, dtype=torch.int32, device="cuda")
+    n, k = 48, 80
+    expected_offsets = [0]
+    for count in raw.tolist():
+        expected_offsets.append(min(expected_offsets[-1] + count, total))
+    counts = [b - a for a, b in zip(expected_offsets[:-1], expected_offsets[1:])]
+    for kind, make in ((_core.GEMM_FPROP, lambda m: (m, n, k)), (_core.GEMM_DGRAD, lambda m: (m, k, n)), (_core.GEMM_WGRAD, lambda m: (n, k, m))):
+        _core.check(
+            _core.lib.mg_grouped_setup(
+                m_splits.data_ptr(), _core.dtype_code(splits_dtype), num_groups, total, n, k, kind,
+                offsets.data_ptr(), shapes.data_ptr(), _core.stream_handle(m_splits.device),
+            )
+        )
+        assert offsets.tolist() == expected_offsets
+        assert [tuple(s) for s in shapes.tolist()] == [make(c) for c in counts], f"kind {kind}"

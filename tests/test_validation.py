@@ -1,0 +1,124 @@
+"""Bad input fails loudly with the values, never with a wrong answer."""
+
+import pytest
+import torch
+
+import moe_grouped
+from moe_grouped import GroupedLinear, ops
+
+
+@pytest.fixture
+def layer():
+    return GroupedLinear(3, 8, 4, backend="torch")
+
+
+def test_wrong_dtype(layer):
+    with pytest.raises(TypeError, match="float64"):
+        layer(torch.randn(6, 8, dtype=torch.float64), [2, 2, 2])
+
+
+def test_integer_input(layer):
+    with pytest.raises(TypeError, match="dtype"):
+        layer(torch.ones(6, 8, dtype=torch.int64), [2, 2, 2])
+
+
+def test_wrong_rank(layer):
+    with pytest.raises(ValueError, match="2-D"):
+        layer(torch.randn(2, 3, 8), [2, 2, 2])
+
+
+def test_in_features_mismatch(layer):
+    with pytest.raises(ValueError, match=r"in_features"):
+        layer(torch.randn(6, 7), [2, 2, 2])
+
+
+def test_non_contiguous_input(layer):
+    x = torch.randn(8, 6).t()
+    with pytest.raises(ValueError, match="contiguous"):
+        layer(x, [2, 2, 2])
+
+
+def test_splits_wrong_length(layer):
+    with pytest.raises(ValueError, match="3 entries"):
+        layer(torch.randn(6, 8), [3, 3])
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        layer(torch.randn(6, 8), torch.tensor([3, 3]))
+
+
+def test_negative_count(layer):
+    with pytest.raises(ValueError, match="non-negative"):
+        layer(torch.randn(6, 8), [4, -1, 3])
+
+
+def test_splits_not_summing_to_rows(layer):
+    with pytest.raises(ValueError, match="sum to the number of rows 6, got sum 7"):
+        layer(torch.randn(6, 8), [2, 2, 3])
+
+
+def test_float_splits(layer):
+    with pytest.raises(TypeError, match="int32 or int64"):
+        layer(torch.randn(6, 8), torch.tensor([2.0, 2.0, 2.0]))
+    with pytest.raises(TypeError, match="Python ints"):
+        layer(torch.randn(6, 8), [2.0, 2, 2])
+
+
+def test_device_splits_are_not_read_on_host_by_default(layer):
+    # Without debug checks a device m_splits is trusted (reading it would sync):
+    # a wrong sum is clamped, never out of bounds.
+    y = layer(torch.randn(6, 8), torch.tensor([2, 2, 3]))
+    assert y.shape == (6, 4)
+
+
+def test_debug_checks_validate_device_splits(layer):
+    moe_grouped.set_debug_checks(True)
+    try:
+        with pytest.raises(ValueError, match="sum to the number of rows"):
+            layer(torch.randn(6, 8), torch.tensor([2, 2, 3]))
+        with pytest.raises(ValueError, match="non-negative"):
+            layer(torch.randn(6, 8), torch.tensor([4, -1, 3]))
+        assert layer(torch.randn(6, 8), torch.tensor([2, 1, 3])).shape == (6, 4)
+    finally:
+        moe_grouped.set_debug_checks(False)
+
+
+@pytest.mark.gpu
+def test_wrong_device():
+    layer = GroupedLinear(2, 8, 4, device="cuda", backend="torch")
+    with pytest.raises(ValueError, match="cpu"):
+        layer(torch.randn(4, 8), [2, 2])
+    with pytest.raises(ValueError, match="m_splits is on cuda"):
+        GroupedLinear(2, 8, 4, backend="torch")(torch.randn(4, 8), torch.tensor([2, 2], device="cuda"))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        GroupedLinear(2, 8, 4, backend="cublas")
+
+
+def test_cuda_backend_on_cpu_is_refused_not_swapped():
+    layer = GroupedLinear(2, 8, 4, backend="cuda")
+    with pytest.raises(RuntimeError, match="backend 'cuda' was requested but is unavailable"):
+        layer(torch.randn(4, 8), [2, 2])
+
+
+def test_bad_constructor_arguments():
+    with pytest.raises(ValueError, match="num_experts"):
+        GroupedLinear(0, 8, 4)
+    with pytest.raises(ValueError, match="in_features"):
+        GroupedLinear(2, -1, 4)
+
+
+def test_ops_check_weights_and_bias():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="weights must be a list"):
+        ops.grouped_fprop(x, torch.randn(2, 4, 8), [2, 2])
+    with pytest.raises(ValueError, match="weights\\[1\\] has shape"):
+        ops.grouped_fprop(x, [torch.randn(4, 8), torch.randn(5, 8)], [2, 2])
+    with pytest.raises(ValueError, match=r"bias must have shape \(2, 4\)"):
+        ops.grouped_fprop(x, [torch.randn(2, 4, 8)], [2, 2], torch.randn(2, 5))
+    with pytest.raises(ValueError, match="out_features=4"):
+        ops.grouped_dgrad(torch.randn(4, 5), [torch.randn(2, 4, 8)], [2, 2])
+    with pytest.raises(ValueError, match="num_groups"):
+        ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2])
+    with pytest.raises(ValueError, match="accumulate=True needs"):
+        ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2], num_groups=2, accumulate=True)
