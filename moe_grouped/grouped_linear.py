@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from . import _checks, backends
+from .ops import check_backend_dtype
 from .ops.common import num_groups_of
 
 
@@ -201,8 +202,10 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {first.dtype}")
         _checks.check_same_device("the layer's parameters", first, x=x)
         splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
+        backend = backends.resolve(self.backend, x.device)
+        check_backend_dtype(backend, x.dtype)
         spec = _Spec(
-            backend=backends.resolve(self.backend, x.device),
+            backend=backend,
             num_weights=len(weights),
             has_bias=self.use_bias,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,

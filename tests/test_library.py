@@ -52,7 +52,9 @@ def test_opcheck(backend, layout):
     torch.library.opcheck(torch.ops.moe_grouped.splits_to_offsets, (splits, 12, backend))
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+# float64 gradcheck needs a float64 backend: the torch backend's grads are
+# checked against the oracle in test_grouped_linear.py instead.
+@pytest.mark.parametrize("backend", ["reference"])
 @pytest.mark.parametrize("layout", ["grouped", "separate"])
 def test_gradcheck_functional_fprop(backend, layout):
     x, weights, splits = problem(torch.float64, layout=layout)
@@ -68,7 +70,7 @@ def test_gradcheck_functional_fprop(backend, layout):
     assert torch.autograd.gradcheck(f, tuple(inputs))
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference"])
 @pytest.mark.parametrize("single_grouped_weight", [True, False])
 def test_gradcheck_grouped_linear(backend, single_grouped_weight):
     layer = moe_grouped.GroupedLinear(
@@ -93,3 +95,9 @@ def test_compile_sees_shapes():
         return torch.ops.moe_grouped.grouped_fprop(x, w, s, None, torch.float32, "torch") * 2
 
     torch.testing.assert_close(f(x, weights, splits), 2 * ops.grouped_fprop(x, weights, splits, backend="torch"))
+
+
+def test_backend_without_float64_says_so():
+    x, weights, splits = problem(torch.float64)
+    with pytest.raises(TypeError, match="backend 'torch' supports dtypes"):
+        ops.grouped_fprop(x, weights, splits, backend="torch")

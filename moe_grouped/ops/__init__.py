@@ -27,7 +27,7 @@ import torch
 
 from .. import _checks, backends
 from . import _library
-from ._library import backend_module
+from ._library import backend_module, check_backend_dtype
 
 SplitsLike = _checks.SplitsLike
 
@@ -45,7 +45,9 @@ def _prepare(
     if first.dtype != tokens.dtype:
         raise TypeError(f"{name} has dtype {tokens.dtype} but the weights have {first.dtype}")
     splits = _checks.normalize_splits(m_splits, num_groups, tokens.shape[0], tokens.device)
-    return num_groups, n, k, splits, backends.resolve(backend, tokens.device)
+    name = backends.resolve(backend, tokens.device)
+    check_backend_dtype(name, tokens.dtype)
+    return num_groups, n, k, splits, name
 
 
 def grouped_fprop(
@@ -136,6 +138,7 @@ def grouped_wgrad(
         )
     splits = _checks.normalize_splits(m_splits, groups, dy.shape[0], dy.device)
     name = backends.resolve(backend, dy.device)
+    check_backend_dtype(name, dy.dtype)
     torch.ops.moe_grouped.grouped_wgrad_(dy, x, splits, out, accumulate, name)
     return out
 
@@ -156,6 +159,7 @@ def grouped_dbias(
         num_groups = len(m_splits)
     splits = _checks.normalize_splits(m_splits, num_groups, dy.shape[0], dy.device)
     name = backends.resolve(backend, dy.device)
+    check_backend_dtype(name, dy.dtype)
     return torch.ops.moe_grouped.grouped_dbias(dy, splits, num_groups, out_dtype or dy.dtype, name)
 
 

@@ -16,7 +16,7 @@ import torch
 from .. import _core
 from ..graphs import nvtx
 from . import reference_backend, torch_backend
-from .common import num_groups_of
+from .common import num_groups_of, offsets_with_zero
 
 _MODULES = {"reference": reference_backend, "torch": torch_backend}
 
@@ -29,6 +29,14 @@ def backend_module(name: str) -> ModuleType:
         # Imported on first use: it needs the built core.
         _MODULES[name] = importlib.import_module(f"{__package__}.cuda_backend")
     return _MODULES[name]
+
+
+def check_backend_dtype(backend: str, dtype: torch.dtype) -> None:
+    """Raises TypeError when ``backend`` cannot compute in ``dtype``."""
+    supported = backend_module(backend).SUPPORTED_DTYPES
+    if dtype not in supported:
+        names = ", ".join(str(d) for d in supported)
+        raise TypeError(f"backend {backend!r} supports dtypes ({names}), got {dtype}")
 
 
 @torch.library.custom_op("moe_grouped::grouped_fprop", mutates_args=())
@@ -129,8 +137,6 @@ def splits_to_offsets(m_splits: torch.Tensor, total_rows: int, backend: str) -> 
     with nvtx.range(f"moe_grouped.splits_to_offsets[{backend}]"):
         if backend == "cuda":
             return _offsets_from_core(m_splits, total_rows)
-        from .common import offsets_with_zero
-
         if backend == "reference":
             counts = [max(0, int(c)) for c in m_splits.tolist()]
             bounds, running = [0], 0

@@ -13,6 +13,8 @@ import torch
 
 from .common import compute_dtype, expert_matrix, num_groups_of, offsets_with_zero
 
+SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
 
 def _host_bounds(m_splits: torch.Tensor, total_rows: int) -> list[tuple[int, int]]:
     if m_splits.is_cuda and torch.cuda.is_current_stream_capturing():

@@ -14,6 +14,8 @@ import torch
 
 from .common import end_offsets, expert_matrix, is_grouped_layout, offsets_with_zero, stacked
 
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
 
 def _offs(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
     return end_offsets(m_splits, total_rows).to(torch.int32)
