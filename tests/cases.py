@@ -10,6 +10,8 @@ import math
 
 import torch
 
+import moe_grouped
+
 SPLIT_PATTERNS = ("balanced", "skewed", "zero_token_experts", "all_to_one", "single_token_groups")
 
 
@@ -117,3 +119,11 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
         assert error == 0, f"{case}: expected zeros, got norm {error}"
         return
     assert error / scale <= TOLERANCE[dtype], f"{case}: relative error {error / scale:.3e} > {TOLERANCE[dtype]:.0e}"
+
+
+def backends_for(device: str) -> list[str]:
+    """The backends to check on ``device``: cuda only where it can run."""
+    names = ["reference", "torch"]
+    if device == "cuda" and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
+        names.append("cuda")
+    return names

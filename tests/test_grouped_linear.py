@@ -4,10 +4,10 @@ fused wgrad accumulation, delayed wgrad, init and state_dict."""
 import pytest
 import torch
 
-import moe_grouped
 from moe_grouped import GroupedLinear
 
 from cases import (
+    backends_for,
     SPLIT_PATTERNS,
     assert_close_to,
     make_splits,
@@ -16,13 +16,6 @@ from cases import (
     oracle_fprop,
     oracle_wgrad,
 )
-
-
-def backends_for(device):
-    names = ["reference", "torch"]
-    if device == "cuda" and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
-    return names
 
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import moe_grouped
 from moe_grouped import ops
 
 from cases import (
+    backends_for,
     SPLIT_PATTERNS,
     assert_close_to,
     make_splits,
@@ -25,14 +25,6 @@ def devices():
     params = [pytest.param("cpu", id="cpu")]
     params.append(pytest.param("cuda", id="cuda", marks=pytest.mark.gpu))
     return params
-
-
-def backends_for(device):
-    return ["reference", "torch"] + (["cuda"] if device == "cuda" and _cuda_backend_ok() else [])
-
-
-def _cuda_backend_ok():
-    return torch.cuda.is_available() and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None
 
 
 def make_problem(shape, dtype, device, pattern, layout, seed=0):

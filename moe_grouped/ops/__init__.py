@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _checks, backends
-from . import _library
 from ._library import backend_module, check_backend_dtype
 
 SplitsLike = _checks.SplitsLike
