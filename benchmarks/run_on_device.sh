@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: install (building the core with all cores),
 # report, run the whole test suite, then the benchmarks. Logs and JSON go to
-# $OUT (the device tool brings that folder back).
+# $OUT (the device tool brings that folder back, at most 8 files).
 #   device run, carrying .whl (nvidia-cutlass + nvtx wheels for its Python):
 #     bash benchmarks/run_on_device.sh [pytest args...]
 set -uo pipefail
@@ -13,12 +13,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/summary.txt"
 export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) MOE_GROUPED_REQUIRE_CORE=1
 start=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/install.log" 2>&1 || { tail -40 "$OUT/install.log"; exit 1; }
 echo "install+build: $(( $(date +%s) - start )) s"
-python3 -m moe_grouped info | tee "$OUT/info.txt"
+python3 -m moe_grouped info | tee -a "$OUT/summary.txt"
 
 python3 -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 tests_status=${PIPESTATUS[0]}
@@ -27,8 +27,9 @@ for bench in benchmarks/grouped_gemm.py benchmarks/graph_overhead.py benchmarks/
   [ -f "$bench" ] || continue
   [ -n "${SKIP_BENCH:-}" ] && continue
   name=$(basename "$bench" .py)
-  timeout 240 python3 "$bench" > "$OUT/bench_$name.txt" 2>&1
-  echo "== $bench (exit $?)"; tail -30 "$OUT/bench_$name.txt"
+  timeout 240 python3 "$bench" > "/tmp/bench_$name.txt" 2>&1
+  echo "== $bench (exit $?)" | tee -a "$OUT/bench.txt"; cat "/tmp/bench_$name.txt" >> "$OUT/bench.txt"
+  tail -30 "/tmp/bench_$name.txt"
 done
 cp benchmarks/results/*.json "$OUT/" 2>/dev/null
 exit "$tests_status"
