@@ -9,7 +9,7 @@ routing changes every step.
 from __future__ import annotations
 
 from . import graphs  # noqa: F401  (capture/replay helpers, usable on any module)
-from . import backends, ops, workspace
+from . import backends, fp8, ops, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
 from .grouped_linear import GroupedLinear
@@ -28,6 +28,7 @@ __all__ = [
     "debug_checks_enabled",
     "backends",
     "ops",
+    "fp8",
     "workspace",
     "graphs",
     "CoreError",
