@@ -23,7 +23,7 @@ python3 -m moe_grouped info | tee -a "$OUT/summary.txt"
 python3 -m pytest -q -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 tests_status=${PIPESTATUS[0]}
 
-for bench in benchmarks/grouped_gemm.py benchmarks/graph_overhead.py benchmarks/moe_layer.py; do
+for bench in benchmarks/fp8.py benchmarks/grouped_gemm.py benchmarks/graph_overhead.py benchmarks/moe_layer.py; do
   [ -f "$bench" ] || continue
   [ -n "${SKIP_BENCH:-}" ] && continue
   name=$(basename "$bench" .py)

@@ -32,6 +32,7 @@ CAP_SETUP = 1
 CAP_GROUPED_GEMM_16BIT = 2
 CAP_GROUPED_GEMM_FP8_BLOCKWISE = 4
 CAP_PERMUTE = 8
+CAP_FP8_QUANTIZE = 16
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -106,6 +107,16 @@ class GroupedProblem(ctypes.Structure):
     ]
 
 
+class QuantizeConfig(ctypes.Structure):
+    """``mg_quantize_config``."""
+
+    _fields_ = [
+        ("fp8_dtype", ctypes.c_int),
+        ("pow2_scales", ctypes.c_int),
+        ("amax_epsilon", ctypes.c_float),
+    ]
+
+
 _vp = ctypes.c_void_p
 _PROTOTYPES = {
     "mg_last_error": (ctypes.c_char_p, []),
@@ -147,6 +158,15 @@ _PROTOTYPES = {
     "mg_grouped_dbias": (
         ctypes.c_int,
         [ctypes.POINTER(GroupedProblem), _vp, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_quantize_rowwise_1x128": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, QuantizeConfig, _vp, _vp, _vp],
+    ),
+    "mg_quantize_columnwise_grouped_1x128": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
+         QuantizeConfig, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
     ),
 }
 _REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")

@@ -85,6 +85,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_GROUPED_GEMM_16BIT 2u
 #define MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE 4u
 #define MG_CAP_PERMUTE 8u
+#define MG_CAP_FP8_QUANTIZE 16u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -174,6 +175,40 @@ MG_API mg_status mg_grouped_wgrad(const mg_grouped_problem* p, const void* dy,
 MG_API mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy,
                                   void* dbias, mg_dtype dbias_dtype,
                                   void* stream);
+
+/* ---- FP8 block quantization (1x128) --------------------------------------
+ * Scales follow TransformerEngine's block-scaling rules: per block
+ * amax' = max(amax, amax_epsilon); scale = fp8_max / amax' (1 when amax' is 0,
+ * inf or NaN; FLT_MAX when the quotient overflows); with pow2_scales the
+ * scale is rounded down to a power of two. Stored: fp8(x * scale) (round to
+ * nearest, saturating) and scale_inv = 1 / scale.                          */
+typedef struct mg_quantize_config {
+  mg_dtype fp8_dtype;  /* MG_FLOAT8_E4M3 or MG_FLOAT8_E5M2 */
+  int pow2_scales;     /* non-zero: power-of-two scales */
+  float amax_epsilon;
+} mg_quantize_config;
+
+/* Row-wise: x[rows, cols] (bf16, fp16 or fp32) -> q[rows, cols] fp8 and
+ * scale_inv[rows, ceil(cols / 128)] fp32, one scale per row per 128 columns. */
+MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int64_t rows,
+                                           int64_t cols, mg_quantize_config config, void* q,
+                                           float* scale_inv, void* stream);
+
+/* Column-wise per group, the operand layout of a wgrad GEMM that reduces over
+ * the tokens: for group e (rows [o_e, o_e + m_e) of x[rows, cols]) the
+ * transposed X_e^T is quantized in 1x128 blocks along its tokens, blocks
+ * restarting at the group's first row.
+ *   qt[cols, rows] fp8: group e in columns [o_e, o_e + m_e);
+ *   scale_inv_t[cols, scale_columns] fp32 with
+ *   scale_columns = ceil(rows / 128) + num_groups: group e's blocks in
+ *   columns [b_e, b_e + ceil(m_e / 128)), b_e = sum_{j<e} ceil(m_j / 128);
+ *   columns past the last block are left untouched.
+ * Offsets come from device m_splits (clamped like mg_grouped_setup) through
+ * the (device, workspace_slot) workspace.                                  */
+MG_API mg_status mg_quantize_columnwise_grouped_1x128(
+    const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
+    mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt,
+    float* scale_inv_t, int device, int workspace_slot, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,69 @@
+"""Timing and result files shared by the benchmarks."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def gpu_tag() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for tag in ("h100", "h200", "h800", "a100"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
+
+
+class L2Flush:
+    """Writes a buffer larger than L2 so that each timed run starts cold."""
+
+    def __init__(self, megabytes: int = 256):
+        self.buffer = torch.empty(megabytes * (1 << 20) // 4, dtype=torch.int32, device="cuda")
+
+    def __call__(self) -> None:
+        self.buffer.zero_()
+
+
+def time_ms(fn, *, warmup: int = 5, repeats: int = 30, flush: L2Flush | None = None) -> float:
+    """Median milliseconds of ``fn()`` over ``repeats`` CUDA-event-timed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if flush is not None:
+            flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def write_results(bench: str, rows: list[dict]) -> pathlib.Path:
+    """Writes ``benchmarks/results/<bench>-<gpu>.json`` in the project's format."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{bench}-{gpu_tag()}.json"
+    payload = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.date.today().isoformat(),
+        "rows": rows,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], metric: str) -> None:
+    print(f"{'op':<12} {'shape':<24} {'splits':<10} {'backend':<18} {'ms':>9} {metric:>9}")
+    for row in rows:
+        print(f"{row['op']:<12} {row['shape']:<24} {row['splits']:<10} {row['backend']:<18} "
+              f"{row['ms']:>9.4f} {row[metric]:>9.1f}")
