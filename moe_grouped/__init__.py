@@ -13,12 +13,15 @@ from . import backends, fp8, ops, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
 from .grouped_linear import GroupedLinear
+from .router import Router, RoutingOutput
 from .ops import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GroupedLinear",
+    "Router",
+    "RoutingOutput",
     "grouped_fprop",
     "grouped_dgrad",
     "grouped_wgrad",
