@@ -13,6 +13,7 @@ from . import backends, fp8, ops, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
 from .grouped_linear import GroupedLinear
+from .permute import permute, unpermute
 from .router import Router, RoutingOutput
 from .ops import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
 
@@ -22,6 +23,8 @@ __all__ = [
     "GroupedLinear",
     "Router",
     "RoutingOutput",
+    "permute",
+    "unpermute",
     "grouped_fprop",
     "grouped_dgrad",
     "grouped_wgrad",

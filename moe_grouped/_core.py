@@ -168,6 +168,26 @@ _PROTOTYPES = {
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
          QuantizeConfig, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
     ),
+    # Token permutation: present only when the core was built with csrc/permute.
+    "mg_permute_index": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, _vp, ctypes.c_int,
+         ctypes.c_int, _vp],
+    ),
+    "mg_permute_rows": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp, _vp],
+    ),
+    "mg_unpermute_rows": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp, ctypes.c_int,
+         _vp, _vp],
+    ),
+    "mg_unpermute_rows_backward": (
+        ctypes.c_int,
+        [_vp, _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp,
+         ctypes.c_int, _vp, _vp, _vp],
+    ),
 }
 _REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")
 

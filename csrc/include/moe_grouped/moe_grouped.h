@@ -210,6 +210,45 @@ MG_API mg_status mg_quantize_columnwise_grouped_1x128(
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt,
     float* scale_inv_t, int device, int workspace_slot, void* stream);
 
+/* ---- token permutation (MoE dispatch and combine) ------------------------
+ * Token copy i = t * top_k + j is token t's j-th routing choice; there are
+ * n = num_tokens * top_k copies and the permuted buffer has n rows (static).
+ * row_id_map[n] (int64) gives each copy's row in the permuted buffer, -1 for
+ * a copy that has none (an expert index outside [0, num_experts)). Rows are
+ * ordered by (expert, copy index): a stable sort, deterministic.           */
+#define MG_SLOT_PERMUTE 2 /* the workspace slot Python uses for permutation */
+
+/* experts[num_tokens, top_k] (int32 or int64) -> row_id_map[n] and
+ * m_splits[num_experts] (int64 token copies per expert). Scratch of
+ * 4 * num_experts * ceil(n / 256) bytes comes from the (device,
+ * workspace_slot) workspace. num_experts <= 1024.                         */
+MG_API mg_status mg_permute_index(const void* experts, mg_dtype experts_dtype,
+                                  int64_t num_tokens, int top_k, int num_experts,
+                                  int64_t* row_id_map, int64_t* m_splits,
+                                  int device, int workspace_slot, void* stream);
+/* permuted[row_id_map[t * top_k + j], :] = x[t, :]. x and permuted have
+ * `dtype` (fp32, fp16 or bf16), hidden columns; rows no copy maps to are
+ * left untouched.                                                          */
+MG_API mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_tokens,
+                                 int64_t hidden, int top_k, const int64_t* row_id_map,
+                                 void* permuted, void* stream);
+/* out[t, :] = sum_j weights[t, j] * y[row_id_map[t * top_k + j], :] summed in
+ * fp32 in j order; weights [num_tokens, top_k] are fp32 or `dtype`, or NULL
+ * for a plain sum (the backward of mg_permute_rows). Unmapped copies add 0. */
+MG_API mg_status mg_unpermute_rows(const void* y, mg_dtype dtype, int64_t num_tokens,
+                                   int64_t hidden, int top_k, const int64_t* row_id_map,
+                                   const void* weights, mg_dtype weights_dtype, void* out,
+                                   void* stream);
+/* Backward of mg_unpermute_rows for copy (t, j) with row r:
+ *   dy[r, :] = weights[t, j] * dout[t, :]   (rows no copy maps to: untouched)
+ *   dweights[t, j] = <dout[t, :], y[r, :]>  (0 for unmapped copies; dweights
+ *   has weights_dtype and may be NULL).                                    */
+MG_API mg_status mg_unpermute_rows_backward(const void* dout, const void* y, mg_dtype dtype,
+                                            int64_t num_tokens, int64_t hidden, int top_k,
+                                            const int64_t* row_id_map, const void* weights,
+                                            mg_dtype weights_dtype, void* dy, void* dweights,
+                                            void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -1,0 +1,1 @@
+"""Backends and ``torch.library`` ops behind :mod:`moe_grouped.permute`."""

@@ -1,0 +1,114 @@
+"""``torch.library`` registration of the permutation ops and backend dispatch.
+
+The checks live in :mod:`moe_grouped.permute`; these bodies only dispatch.
+Fake implementations give the (static) shapes to meta tensors, FakeTensor
+and torch.compile.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+from ..graphs import nvtx
+
+_MODULES: dict[str, ModuleType] = {}
+
+
+def backend_module(name: str) -> ModuleType:
+    """The module implementing the permutation ops for backend ``name``."""
+    if name not in _MODULES:
+        if name not in ("reference", "torch", "cuda"):
+            raise ValueError(f"unknown backend {name!r}")
+        module = {"reference": "reference", "torch": "torch_backend", "cuda": "cuda_backend"}[name]
+        _MODULES[name] = importlib.import_module(f"{__package__}.{module}")
+    return _MODULES[name]
+
+
+@torch.library.custom_op("moe_grouped::permute_index", mutates_args=())
+def permute_index(experts: torch.Tensor, num_experts: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    with nvtx.range(f"moe_grouped.permute_index[{backend}]"):
+        return backend_module(backend).index(experts, num_experts)
+
+
+@permute_index.register_fake
+def _(experts, num_experts, backend):
+    return (
+        experts.new_empty(experts.numel(), dtype=torch.int64),
+        experts.new_empty(num_experts, dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("moe_grouped::permute_rows", mutates_args=())
+def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, backend: str) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.permute_rows[{backend}]"):
+        return backend_module(backend).permute_rows(x, row_id_map, top_k)
+
+
+@permute_rows.register_fake
+def _(x, row_id_map, top_k, backend):
+    return x.new_empty(row_id_map.shape[0], x.shape[1])
+
+
+def _permute_rows_setup_context(ctx, inputs, output):
+    _, row_id_map, top_k, backend = inputs
+    ctx.save_for_backward(row_id_map)
+    ctx.top_k, ctx.backend = top_k, backend
+
+
+def _permute_rows_backward(ctx, grad):
+    (row_id_map,) = ctx.saved_tensors
+    # Each token's gradient is the sum over its top_k copies: an unweighted unpermute.
+    dx = torch.ops.moe_grouped.unpermute_rows(grad.contiguous(), row_id_map, None, ctx.top_k, ctx.backend)
+    return dx, None, None, None
+
+
+permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup_context)
+
+
+@torch.library.custom_op("moe_grouped::unpermute_rows", mutates_args=())
+def unpermute_rows(
+    y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, backend: str
+) -> torch.Tensor:
+    with nvtx.range(f"moe_grouped.unpermute_rows[{backend}]"):
+        return backend_module(backend).unpermute_rows(y, row_id_map, weights, top_k)
+
+
+@unpermute_rows.register_fake
+def _(y, row_id_map, weights, top_k, backend):
+    return y.new_empty(row_id_map.shape[0] // top_k, y.shape[1])
+
+
+def _unpermute_rows_setup_context(ctx, inputs, output):
+    y, row_id_map, weights, top_k, backend = inputs
+    ctx.has_weights = weights is not None
+    ctx.save_for_backward(y if ctx.has_weights else None, row_id_map, weights)
+    ctx.top_k, ctx.backend = top_k, backend
+
+
+def _unpermute_rows_backward(ctx, grad):
+    y, row_id_map, weights = ctx.saved_tensors
+    grad = grad.contiguous()
+    if not ctx.has_weights:
+        return torch.ops.moe_grouped.permute_rows(grad, row_id_map, ctx.top_k, ctx.backend), None, None, None, None
+    dy, dweights = torch.ops.moe_grouped.unpermute_rows_backward(grad, y, row_id_map, weights, ctx.backend)
+    return dy, None, dweights if ctx.needs_input_grad[2] else None, None, None
+
+
+unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_unpermute_rows_setup_context)
+
+
+@torch.library.custom_op("moe_grouped::unpermute_rows_backward", mutates_args=())
+def unpermute_rows_backward(
+    dout: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with nvtx.range(f"moe_grouped.unpermute_rows_backward[{backend}]"):
+        return backend_module(backend).unpermute_rows_backward(dout, y, row_id_map, weights)
+
+
+@unpermute_rows_backward.register_fake
+def _(dout, y, row_id_map, weights, backend):
+    return torch.empty_like(y), torch.empty_like(weights)
