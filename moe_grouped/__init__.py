@@ -13,6 +13,8 @@ from . import backends, fp8, ops, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
 from .grouped_linear import GroupedLinear
+from .mlp import GroupedMLP, SwiGLUMLP
+from .moe_layer import MoELayer
 from .permute import permute, unpermute
 from .router import Router, RoutingOutput
 from .ops import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
@@ -21,6 +23,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GroupedLinear",
+    "GroupedMLP",
+    "SwiGLUMLP",
+    "MoELayer",
     "Router",
     "RoutingOutput",
     "permute",

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from . import _checks
+from .ops.common import compute_dtype
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -44,17 +45,18 @@ class RoutingOutput:
     """What :class:`Router` returns for ``T`` tokens, ``E`` experts, ``top_k = k``.
 
     Attributes:
-        weights: [T, k] float32 routing weights of the chosen experts (the
-            combine weights of :func:`moe_grouped.unpermute`).
+        weights: [T, k] routing weights of the chosen experts (the combine
+            weights of :func:`moe_grouped.unpermute`); float32, float64 for
+            float64 input.
         experts: [T, k] int64 chosen expert indices, best first.
         tokens_per_expert: [E] int64 number of token copies routed to each
             expert, on the device (the ``m_splits`` of the expert GEMMs).
-        aux_loss: float32 scalar, the Switch/GShard load-balancing loss
+        aux_loss: scalar, the Switch/GShard load-balancing loss
             ``E * sum_e f_e * P_e`` (``f_e``: fraction of the ``T * k`` copies
             sent to expert e; ``P_e``: mean router probability of e). 1.0 for
             perfectly uniform routing. Differentiable through ``P_e``.
-        z_loss: float32 scalar, ``mean_t(logsumexp(logits_t) ** 2)``.
-        logits: [T, E] float32 router logits.
+        z_loss: scalar, ``mean_t(logsumexp(logits_t) ** 2)``.
+        logits: [T, E] router logits (float32; float64 for float64 input).
     """
 
     weights: torch.Tensor
@@ -104,7 +106,8 @@ class Router(nn.Module):
     """Linear gate + top-k selection over ``num_experts`` experts.
 
     ``forward(x)`` takes ``x`` of shape [T, hidden] and returns a
-    :class:`RoutingOutput`. Logits are computed in float32.
+    :class:`RoutingOutput`. Logits are computed in float32 (float64 for
+    float64 input), whatever the gate's dtype.
 
     Args:
         hidden: input features.
@@ -199,7 +202,8 @@ class Router(nn.Module):
         if x.shape[1] != self.hidden:
             raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
         _checks.check_same_device("the router's weight", self.weight, x=x)
-        logits = nn.functional.linear(x.float(), self.weight.float())
+        acc = compute_dtype(x.dtype)
+        logits = nn.functional.linear(x.to(acc), self.weight.to(acc))
         weights, experts, probs = self._select(logits)
         counts = tokens_per_expert(experts, self.num_experts)
         if self.tokens_since_update is not None and self.training:

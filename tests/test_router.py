@@ -48,7 +48,14 @@ def test_softmax_then_topk(normalize):
     if normalize:  # Mixtral: renormalise the chosen probabilities
         expected = [p / sum(expected) for p in expected]
     assert_weights(out.weights, [expected])
-    assert out.weights.dtype == torch.float32
+    assert out.weights.dtype == torch.float64  # float64 input keeps float64
+
+
+def test_low_precision_gates_route_in_float32():
+    router = Router(8, 4, 2, dtype=torch.bfloat16)
+    out = router(torch.randn(5, 8, dtype=torch.bfloat16))
+    assert out.logits.dtype == out.weights.dtype == out.aux_loss.dtype == torch.float32
+    assert out.experts.dtype == out.tokens_per_expert.dtype == torch.int64
 
 
 def test_topk_then_softmax_ignores_the_other_logits():

@@ -1,0 +1,129 @@
+"""``MoELayer``: router -> permute -> grouped SwiGLU experts -> unpermute (+ shared expert).
+
+No step reads the routing on the host (with the ``torch`` or ``cuda``
+backend), so the layer's forward and backward can be captured in a CUDA graph
+and replayed while the routing changes every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from .mlp import GroupedMLP, SwiGLUMLP
+from .permute import permute, unpermute
+from .router import Router, RoutingOutput
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; backward also sends gradient 1 into ``loss``.
+
+    So the router's weighted losses train the gate without the caller adding
+    them to the loss (Megatron's ``MoEAuxLossAutoScaler``).
+    """
+
+    @staticmethod
+    def forward(ctx, out, loss):
+        ctx.loss_shape, ctx.loss_dtype, ctx.loss_device = loss.shape, loss.dtype, loss.device
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+class MoELayer(nn.Module):
+    """A Mixture-of-Experts SwiGLU feed-forward layer.
+
+    ``forward(x)`` takes [T, hidden] or [B, S, hidden] and returns the same
+    shape. Each token goes to ``top_k`` of ``num_experts`` experts chosen by
+    :attr:`router`; the expert outputs are summed with the routing weights;
+    the shared expert's output (if any) is added.
+
+    Auxiliary losses: in training mode with ``aux_loss_coeff`` or
+    ``z_loss_coeff`` non-zero, backward adds the gradient of
+    ``aux_loss_coeff * aux_loss + z_loss_coeff * z_loss`` to the router, as
+    if that term were added to the loss backward starts from — the caller
+    does nothing. :attr:`last_routing` holds the last forward's
+    :class:`RoutingOutput` (detached) to log the losses and the load.
+
+    Args:
+        hidden, ffn_hidden: model and per-expert FFN widths.
+        num_experts, top_k: E and the experts per token.
+        router_options: keyword arguments of :class:`Router` (e.g.
+            ``score_function``, ``normalize_topk``, ``expert_bias``, ``n_group``).
+        shared_expert_ffn_hidden: width of a dense SwiGLU shared expert, or None.
+        aux_loss_coeff, z_loss_coeff: weights of the router losses.
+        bias, single_grouped_weight, fuse_wgrad_accumulation,
+        delay_wgrad_compute, dtype, device: passed to :class:`GroupedMLP`.
+        backend: for the expert GEMMs and the permutation: ``"cuda"``,
+            ``"torch"``, ``"reference"`` or None (each op's default).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        router_options: Optional[dict[str, Any]] = None,
+        shared_expert_ffn_hidden: Optional[int] = None,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        bias: bool = False,
+        single_grouped_weight: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        delay_wgrad_compute: bool = False,
+        dtype: Optional[torch.dtype] = None,
+        device=None,
+        backend: Optional[str] = None,
+    ):
+        super().__init__()
+        for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.backend = backend
+        self.router = Router(hidden, num_experts, top_k, dtype=dtype, device=device, **(router_options or {}))
+        self.experts = GroupedMLP(
+            num_experts, hidden, ffn_hidden, bias=bias, single_grouped_weight=single_grouped_weight,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute,
+            dtype=dtype, device=device, backend=backend,
+        )
+        self.shared_expert = (
+            SwiGLUMLP(hidden, shared_expert_ffn_hidden, dtype=dtype, device=device)
+            if shared_expert_ffn_hidden else None
+        )
+        self.last_routing: Optional[RoutingOutput] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden:
+            raise ValueError(
+                f"x must have shape [tokens, {self.hidden}] or [batch, seq, {self.hidden}], got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        tokens = x.reshape(-1, self.hidden).contiguous()
+        routing = self.router(tokens)
+        permuted, m_splits, row_id_map = permute(tokens, routing.experts, self.num_experts, backend=self.backend)
+        expert_out = self.experts(permuted, m_splits)
+        out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
+            loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
+            out = _AttachAuxLoss.apply(out, loss)
+        self.last_routing = RoutingOutput(**{k: v.detach() for k, v in vars(routing).items()})
+        return out.view(x.shape)
+
+    def backward_dw(self) -> None:
+        """The experts' deferred weight gradients (``delay_wgrad_compute=True``)."""
+        self.experts.backward_dw()
+
+    def extra_repr(self) -> str:
+        return (
+            f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}, backend={self.backend}"
+        )
