@@ -26,6 +26,11 @@ from ._inputs import check_and_copy, describe, flatten_sample, make_static
 FORWARD, BACKWARD, WGRAD = "forward", "backward", "wgrad"
 
 
+# Called with the pool between two captures. For graphs.testing, which perturbs
+# the allocator there to make results that depend on allocation history show.
+_between_captures: list[Callable[[Any], None]] = []
+
+
 class ReplayOrderError(RuntimeError):
     """Graphs sharing a pool were replayed in an order other than the captured one."""
 
@@ -547,6 +552,8 @@ def _warm_up(states: Sequence[_State], steps, iterations: int, device: torch.dev
 def _capture(states: Sequence[_State], steps, pool, allow_unused_input: bool) -> None:
     for kind, i in steps:
         state = states[i]
+        for hook in _between_captures:
+            hook(pool)
         if kind == FORWARD:
             with torch.cuda.graph(state.forward_graph, pool=pool):
                 result = _call(state)
