@@ -1,0 +1,135 @@
+// Per-group column sums of dy for the bias gradient: dbias[e, :] = sum of the
+// rows of expert e. Graph-safe and workspace-free: every block finds its
+// group's rows from m_splits itself (clamped exactly like scan_splits), so
+// nothing is shared with a GEMM that may run beside it. Deterministic: a fixed
+// reduction order, no atomics.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "core/error.h"
+#include "gemm/grouped_gemm.h"
+
+namespace moe_grouped::gemm {
+namespace {
+
+constexpr int kColumnThreads = 8;  // threads across columns
+constexpr int kRowThreads = 32;    // threads down the rows
+
+template <class T>
+__device__ __forceinline__ float to_float(T value) { return static_cast<float>(value); }
+template <>
+__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
+template <>
+__device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float value) { return static_cast<T>(value); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float(float value) { return __float2bfloat16(value); }
+template <>
+__device__ __forceinline__ __half from_float(float value) { return __float2half(value); }
+
+// Grid (column blocks, E); block (kColumnThreads, kRowThreads). Each thread
+// owns kVec adjacent columns; kVec = 8 reads 16 bytes at a time.
+template <class T, class OutT, class SplitT, int kVec>
+__global__ void __launch_bounds__(kColumnThreads * kRowThreads)
+    grouped_dbias_kernel(const T* dy, const SplitT* m_splits, int num_groups, int64_t total_rows,
+                         int n, OutT* dbias) {
+  constexpr int kThreads = kColumnThreads * kRowThreads;
+  constexpr int kColumns = kColumnThreads * kVec;
+  __shared__ int64_t partial[kThreads];
+  __shared__ float sums[kRowThreads][kColumns + 1];
+
+  const int g = blockIdx.y;
+  const int tid = threadIdx.y * kColumnThreads + threadIdx.x;
+
+  // Rows of group g: start = min(sum of clamped counts before g, M).
+  int64_t before = 0;
+  for (int i = tid; i < g; i += kThreads) {
+    int64_t raw = static_cast<int64_t>(m_splits[i]);
+    before += raw < 0 ? 0 : (raw > total_rows ? total_rows : raw);
+  }
+  partial[tid] = before;
+  __syncthreads();
+  for (int stride = kThreads / 2; stride > 0; stride /= 2) {
+    if (tid < stride) partial[tid] += partial[tid + stride];
+    __syncthreads();
+  }
+  int64_t start = partial[0] < total_rows ? partial[0] : total_rows;
+  int64_t raw = static_cast<int64_t>(m_splits[g]);
+  raw = raw < 0 ? 0 : (raw > total_rows ? total_rows : raw);
+  int64_t count = raw < total_rows - start ? raw : total_rows - start;
+
+  const int column = blockIdx.x * kColumns + threadIdx.x * kVec;
+  float acc[kVec];
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) acc[v] = 0.0f;
+  if (column < n) {
+    for (int64_t r = start + threadIdx.y; r < start + count; r += kRowThreads) {
+      const T* row = dy + r * n + column;
+      if constexpr (kVec == 8) {
+        uint4 packed = *reinterpret_cast<const uint4*>(row);
+        const T* values = reinterpret_cast<const T*>(&packed);
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) acc[v] += to_float(values[v]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < kVec; ++v) {
+          if (column + v < n) acc[v] += to_float(row[v]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) sums[threadIdx.y][threadIdx.x * kVec + v] = acc[v];
+  __syncthreads();
+  for (int c = tid; c < kColumns; c += kThreads) {
+    float total = 0.0f;
+    for (int y = 0; y < kRowThreads; ++y) total += sums[y][c];
+    int out_column = blockIdx.x * kColumns + c;
+    if (out_column < n) dbias[static_cast<int64_t>(g) * n + out_column] = from_float<OutT>(total);
+  }
+}
+
+template <class T, class OutT, class SplitT>
+mg_status launch(const DbiasCall& call, cudaStream_t stream) {
+  const auto* dy = static_cast<const T*>(call.dy);
+  const auto* splits = static_cast<const SplitT*>(call.m_splits);
+  auto* out = static_cast<OutT*>(call.dbias);
+  dim3 block(kColumnThreads, kRowThreads);
+  bool vectorised = call.n % 8 == 0 && reinterpret_cast<uintptr_t>(call.dy) % 16 == 0;
+  int columns_per_block = kColumnThreads * (vectorised ? 8 : 1);
+  dim3 grid(static_cast<unsigned>((call.n + columns_per_block - 1) / columns_per_block),
+            static_cast<unsigned>(call.num_groups));
+  int n = static_cast<int>(call.n);
+  if (vectorised) {
+    grouped_dbias_kernel<T, OutT, SplitT, 8>
+        <<<grid, block, 0, stream>>>(dy, splits, call.num_groups, call.total_rows, n, out);
+  } else {
+    grouped_dbias_kernel<T, OutT, SplitT, 1>
+        <<<grid, block, 0, stream>>>(dy, splits, call.num_groups, call.total_rows, n, out);
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+  return MG_OK;
+}
+
+template <class T, class OutT>
+mg_status dispatch_splits(const DbiasCall& call, cudaStream_t stream) {
+  return call.splits_dtype == MG_INT32 ? launch<T, OutT, int32_t>(call, stream)
+                                       : launch<T, OutT, int64_t>(call, stream);
+}
+
+template <class T>
+mg_status dispatch_out(const DbiasCall& call, cudaStream_t stream) {
+  return call.dbias_dtype == MG_FLOAT32 ? dispatch_splits<T, float>(call, stream)
+                                        : dispatch_splits<T, T>(call, stream);
+}
+
+}  // namespace
+
+mg_status grouped_dbias(const DbiasCall& call, cudaStream_t stream) {
+  return call.dtype == MG_BFLOAT16 ? dispatch_out<__nv_bfloat16>(call, stream)
+                                   : dispatch_out<__half>(call, stream);
+}
+
+}  // namespace moe_grouped::gemm

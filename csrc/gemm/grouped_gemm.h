@@ -1,0 +1,74 @@
+// The internal contract between the grouped-GEMM entry points
+// (grouped_gemm_api.cpp) and the kernel translation units (sm90_*.cu): plain
+// types only, so that the API file compiles without CUTLASS.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gemm/heuristic.h"
+#include "moe_grouped/moe_grouped.h"
+
+namespace moe_grouped::gemm {
+
+// One grouped GEMM, validated by the API layer.
+struct GroupedGemmCall {
+  mg_gemm_kind kind;
+  int num_groups;
+  int64_t total_rows;
+  int64_t n;
+  int64_t k;
+  const void* m_splits;
+  mg_dtype splits_dtype;
+  const void* tokens;       // x (fprop), dy (dgrad, wgrad): [M, K] or [M, N]
+  const void* tokens_b;     // x (wgrad only): [M, K]
+  mg_group_operand weight;  // W (fprop, dgrad) or dW (wgrad), [E][N, K]
+  const void* bias;         // fprop only: [E, N] or NULL
+  void* out;                // y [M, N] (fprop) or dx [M, K] (dgrad)
+  bool accumulate;          // wgrad only: dW += instead of dW =
+  int sm_count;
+  void* workspace;          // at least workspace_bytes(num_groups, sm_count)
+};
+
+// One compiled kernel configuration.
+struct KernelEntry {
+  mg_gemm_kind kind;
+  mg_dtype dtype;
+  mg_dtype out_dtype;
+  TileConfig config;
+  // Bytes of workspace a call with this kernel uses (argument arrays and
+  // CUTLASS's own workspace, each aligned to kWorkspaceAlignment).
+  size_t (*workspace_bytes)(int num_groups, int sm_count);
+  // Enqueues the setup kernel, any zero-fill and the GEMM on `stream`.
+  mg_status (*run)(const GroupedGemmCall& call, cudaStream_t stream);
+};
+
+// The bias gradient, validated by the API layer (grouped_dbias.cu).
+struct DbiasCall {
+  int num_groups;
+  int64_t total_rows;
+  int64_t n;
+  const void* m_splits;
+  mg_dtype splits_dtype;
+  const void* dy;  // [M, N]
+  mg_dtype dtype;  // bf16 or fp16
+  void* dbias;     // [E, N]
+  mg_dtype dbias_dtype;  // fp32 or dtype
+};
+mg_status grouped_dbias(const DbiasCall& call, cudaStream_t stream);
+
+// Tables of the kernels each translation unit compiles.
+struct KernelList {
+  const KernelEntry* entries;
+  int count;
+};
+KernelList sm90_fprop_bf16_kernels();
+KernelList sm90_dgrad_bf16_kernels();
+KernelList sm90_wgrad_bf16_kernels();
+KernelList sm90_fprop_fp16_kernels();
+KernelList sm90_dgrad_fp16_kernels();
+KernelList sm90_wgrad_fp16_kernels();
+
+}  // namespace moe_grouped::gemm

@@ -1,0 +1,348 @@
+// The C entry points of the grouped GEMMs and the bias gradient. Each reads
+// in one order: validate -> return early when there is nothing to compute ->
+// pick a kernel (heuristic.h) -> take the workspace -> launch. Nothing here
+// allocates (the workspace manager grows only outside capture), synchronises
+// or copies from the host, so every call can be captured in a CUDA graph.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <mutex>
+
+#include "core/error.h"
+#include "core/workspace.h"
+#include "gemm/grouped_gemm.h"
+#include "gemm/heuristic.h"
+
+namespace moe_grouped::gemm {
+namespace {
+
+// Debugging only: forces a tile configuration by name (see heuristic.cpp).
+constexpr const char* kTileEnv = "MOE_GROUPED_GEMM_TILE";
+constexpr int kMaxDevices = 64;
+
+const char* kind_name(mg_gemm_kind kind) {
+  switch (kind) {
+    case MG_GEMM_FPROP: return "fprop";
+    case MG_GEMM_DGRAD: return "dgrad";
+    case MG_GEMM_WGRAD: return "wgrad";
+  }
+  return "unknown gemm kind";
+}
+
+// Sets the current device for the call's duration (kernels go to the
+// device of `stream`, which must be current when they are launched).
+class DeviceGuard {
+ public:
+  mg_status enter(int device) {
+    MG_CUDA_RETURN(cudaGetDevice(&previous_));
+    if (previous_ != device) {
+      MG_CUDA_RETURN(cudaSetDevice(device));
+      restore_ = true;
+    }
+    return MG_OK;
+  }
+  ~DeviceGuard() {
+    if (restore_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool restore_ = false;
+};
+
+// Multiprocessor count, queried once per device: the persistent grid size.
+mg_status sm_count(int device, int* out) {
+  static std::once_flag flags[kMaxDevices];
+  static int counts[kMaxDevices];
+  static cudaError_t errors[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "device must be in [0, %d), got %d", kMaxDevices, device);
+  }
+  std::call_once(flags[device], [device] {
+    errors[device] = cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  });
+  if (errors[device] != cudaSuccess) {
+    return cuda_fail(errors[device], "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
+  }
+  *out = counts[device];
+  return MG_OK;
+}
+
+const KernelList& all_kernels(int index) {
+  static const KernelList lists[] = {
+      sm90_fprop_bf16_kernels(), sm90_dgrad_bf16_kernels(), sm90_wgrad_bf16_kernels(),
+      sm90_fprop_fp16_kernels(), sm90_dgrad_fp16_kernels(), sm90_wgrad_fp16_kernels()};
+  return lists[index];
+}
+constexpr int kKernelLists = 6;
+
+const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_dtype,
+                               TileConfig config) {
+  for (int l = 0; l < kKernelLists; ++l) {
+    const KernelList& list = all_kernels(l);
+    for (int i = 0; i < list.count; ++i) {
+      const KernelEntry& e = list.entries[i];
+      if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype && e.config == config) {
+        return &e;
+      }
+    }
+  }
+  return nullptr;
+}
+
+// Workspace for any kernel of (kind, dtype): the largest of them, so that
+// the size does not depend on the output dtype or the tile configuration.
+size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sms) {
+  size_t bytes = 0;
+  for (int l = 0; l < kKernelLists; ++l) {
+    const KernelList& list = all_kernels(l);
+    for (int i = 0; i < list.count; ++i) {
+      const KernelEntry& e = list.entries[i];
+      if (e.kind != kind || e.dtype != dtype) continue;
+      size_t need = e.workspace_bytes(num_groups, sms);
+      if (need > bytes) bytes = need;
+    }
+  }
+  return bytes;
+}
+
+mg_status check_problem(const mg_grouped_problem* p, const char* op) {
+  if (p == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: problem must not be NULL", op);
+  if (p->num_groups <= 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: num_groups must be positive, got %d", op,
+                p->num_groups);
+  }
+  if (p->splits_dtype != MG_INT32 && p->splits_dtype != MG_INT64) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: m_splits must be int32 or int64, got %s", op,
+                dtype_name(p->splits_dtype));
+  }
+  if (p->m_splits == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: m_splits must be a device pointer, got NULL", op);
+  }
+  if (p->dtype != MG_BFLOAT16 && p->dtype != MG_FLOAT16) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: the grouped GEMMs take bfloat16 or float16 operands, got %s", op,
+                dtype_name(p->dtype));
+  }
+  if (p->total_rows < 0 || p->total_rows > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: total_rows must be in [0, 2^31), got %lld", op,
+                static_cast<long long>(p->total_rows));
+  }
+  return MG_OK;
+}
+
+// TMA reads and writes whole 16-byte rows: n and k must be positive
+// multiples of 8 (bf16 / fp16 elements).
+mg_status check_gemm_problem(const mg_grouped_problem* p, const char* op) {
+  MG_RETURN_IF_ERROR(check_problem(p, op));
+  if (p->n <= 0 || p->k <= 0 || p->n > INT32_MAX || p->k > INT32_MAX || p->n % 8 != 0 ||
+      p->k % 8 != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: n and k must be positive multiples of 8 below 2^31 (16-byte rows for TMA), "
+                "got n=%lld k=%lld",
+                op, static_cast<long long>(p->n), static_cast<long long>(p->k));
+  }
+  return MG_OK;
+}
+
+mg_status check_aligned(const char* op, const char* name, const void* ptr, bool allow_null) {
+  if (ptr == nullptr) {
+    if (allow_null) return MG_OK;
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s must be a device pointer, got NULL", op, name);
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s must be 16-byte aligned, got address %p", op,
+                name, ptr);
+  }
+  return MG_OK;
+}
+
+// A grouped operand: base 16-byte aligned with a group stride that keeps
+// every group 16-byte aligned, or a device array of pointers (each of which
+// the caller guarantees to be 16-byte aligned; the host cannot check them).
+mg_status check_operand(const char* op, const char* name, const mg_group_operand& operand,
+                        size_t element_bytes) {
+  if (operand.base != nullptr) {
+    MG_RETURN_IF_ERROR(check_aligned(op, name, operand.base, false));
+    if (operand.group_stride < 0 ||
+        (operand.group_stride * static_cast<int64_t>(element_bytes)) % 16 != 0) {
+      return fail(MG_ERROR_INVALID_ARGUMENT,
+                  "%s: %s.group_stride must be a non-negative multiple of %zu elements (16 bytes), "
+                  "got %lld",
+                  op, name, 16 / element_bytes, static_cast<long long>(operand.group_stride));
+    }
+    return MG_OK;
+  }
+  if (operand.ptrs == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: %s needs a base pointer or a device array of per-group pointers, got neither",
+                op, name);
+  }
+  return check_aligned(op, name, operand.ptrs, false);
+}
+
+size_t dtype_bytes(mg_dtype dtype) {
+  switch (dtype) {
+    case MG_FLOAT32: return 4;
+    case MG_FLOAT16:
+    case MG_BFLOAT16: return 2;
+    default: return 0;
+  }
+}
+
+// The output dtypes compiled in: the operand dtype or float32.
+mg_status check_out_dtype(const char* op, const char* name, mg_dtype dtype, mg_dtype out) {
+  if (out != dtype && out != MG_FLOAT32) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s must be %s (the operand dtype) or float32, got %s",
+                op, name, dtype_name(dtype), dtype_name(out));
+  }
+  return MG_OK;
+}
+
+mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype out_dtype,
+                        const KernelEntry** out) {
+  GemmShape shape{kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+  TileConfig config = choose_tile_config(shape);
+  if (const char* forced = std::getenv(kTileEnv); forced != nullptr && forced[0] != '\0') {
+    if (!parse_tile_config(forced, &config)) {
+      return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s names no tile configuration (e.g. %s)",
+                  kTileEnv, forced, tile_config_name(TileConfig::kCoop128x256));
+    }
+  }
+  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config);
+  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256);
+  if (entry == nullptr) {
+    return fail(MG_ERROR_UNSUPPORTED, "no grouped %s kernel is built for %s operands and %s output",
+                kind_name(kind), dtype_name(p->dtype), dtype_name(out_dtype));
+  }
+  *out = entry;
+  return MG_OK;
+}
+
+mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype out_dtype,
+                   void* stream) {
+  DeviceGuard guard;
+  MG_RETURN_IF_ERROR(guard.enter(p->device));
+  int sms = 0;
+  MG_RETURN_IF_ERROR(sm_count(p->device, &sms));
+  const KernelEntry* entry = nullptr;
+  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, &entry));
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  size_t bytes = workspace_bytes(call.kind, p->dtype, p->num_groups, sms);
+  void* workspace = nullptr;
+  MG_RETURN_IF_ERROR(workspace_get(p->device, p->workspace_slot, bytes, cuda_stream, &workspace));
+  call.num_groups = p->num_groups;
+  call.total_rows = p->total_rows;
+  call.n = p->n;
+  call.k = p->k;
+  call.m_splits = p->m_splits;
+  call.splits_dtype = p->splits_dtype;
+  call.sm_count = sms;
+  call.workspace = workspace;
+  MG_RETURN_IF_ERROR(entry->run(call, cuda_stream));
+  return ok();
+}
+
+}  // namespace
+}  // namespace moe_grouped::gemm
+
+using namespace moe_grouped;
+using namespace moe_grouped::gemm;
+
+extern "C" {
+
+mg_status mg_grouped_gemm_workspace_size(const mg_grouped_problem* p, mg_gemm_kind kind,
+                                         size_t* out_bytes) {
+  const char* op = "mg_grouped_gemm_workspace_size";
+  if (out_bytes == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: out_bytes must not be NULL", op);
+  if (kind != MG_GEMM_FPROP && kind != MG_GEMM_DGRAD && kind != MG_GEMM_WGRAD) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: unknown gemm kind %d", op, static_cast<int>(kind));
+  }
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  int sms = 0;
+  MG_RETURN_IF_ERROR(sm_count(p->device, &sms));
+  *out_bytes = workspace_bytes(kind, p->dtype, p->num_groups, sms);
+  return ok();
+}
+
+mg_status mg_grouped_fprop(const mg_grouped_problem* p, const void* x, mg_group_operand weight,
+                           const void* bias, void* y, mg_dtype y_dtype, void* stream) {
+  const char* op = "mg_grouped_fprop";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "y_dtype", p->dtype, y_dtype));
+  bool empty = p->total_rows == 0;
+  MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "y", y, empty));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  if (empty) return ok();
+  GroupedGemmCall call{};
+  call.kind = MG_GEMM_FPROP;
+  call.tokens = x;
+  call.weight = weight;
+  call.bias = bias;
+  call.out = y;
+  return run_gemm(p, call, y_dtype, stream);
+}
+
+mg_status mg_grouped_dgrad(const mg_grouped_problem* p, const void* dy, mg_group_operand weight,
+                           void* dx, mg_dtype dx_dtype, void* stream) {
+  const char* op = "mg_grouped_dgrad";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "dx_dtype", p->dtype, dx_dtype));
+  bool empty = p->total_rows == 0;
+  MG_RETURN_IF_ERROR(check_aligned(op, "dy", dy, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "dx", dx, empty));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  if (empty) return ok();
+  GroupedGemmCall call{};
+  call.kind = MG_GEMM_DGRAD;
+  call.tokens = dy;
+  call.weight = weight;
+  call.out = dx;
+  return run_gemm(p, call, dx_dtype, stream);
+}
+
+mg_status mg_grouped_wgrad(const mg_grouped_problem* p, const void* dy, const void* x,
+                           mg_group_operand dw, mg_dtype dw_dtype, int accumulate, void* stream) {
+  const char* op = "mg_grouped_wgrad";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "dw_dtype", p->dtype, dw_dtype));
+  // With no tokens at all the GEMM has no tiles; the zero fill still runs.
+  bool empty = p->total_rows == 0;
+  MG_RETURN_IF_ERROR(check_aligned(op, "dy", dy, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
+  MG_RETURN_IF_ERROR(check_operand(op, "dw", dw, dtype_bytes(dw_dtype)));
+  GroupedGemmCall call{};
+  call.kind = MG_GEMM_WGRAD;
+  call.tokens = dy;
+  call.tokens_b = x;
+  call.weight = dw;
+  call.accumulate = accumulate != 0;
+  return run_gemm(p, call, dw_dtype, stream);
+}
+
+mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy, void* dbias,
+                           mg_dtype dbias_dtype, void* stream) {
+  const char* op = "mg_grouped_dbias";
+  MG_RETURN_IF_ERROR(check_problem(p, op));
+  if (p->n <= 0 || p->n > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: n must be in [1, 2^31), got %lld", op,
+                static_cast<long long>(p->n));
+  }
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "dbias_dtype", p->dtype, dbias_dtype));
+  if (dbias == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: dbias must be a device pointer, got NULL", op);
+  }
+  if (dy == nullptr && p->total_rows > 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: dy must be a device pointer, got NULL", op);
+  }
+  DeviceGuard guard;
+  MG_RETURN_IF_ERROR(guard.enter(p->device));
+  DbiasCall call{p->num_groups, p->total_rows, p->n, p->m_splits, p->splits_dtype,
+                 dy, p->dtype, dbias, dbias_dtype};
+  MG_RETURN_IF_ERROR(grouped_dbias(call, static_cast<cudaStream_t>(stream)));
+  return ok();
+}
+
+}  // extern "C"

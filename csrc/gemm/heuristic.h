@@ -1,0 +1,44 @@
+// Tile-configuration choice for the SM90 grouped GEMMs: pure host code that
+// maps a problem (kind, E, M, N, K, dtypes) to one of a handful of compiled
+// kernel configurations. Kept apart from the kernels and from the C entry
+// points so that it can be read, changed and tested on its own.
+#pragma once
+
+#include <cstdint>
+
+#include "moe_grouped/moe_grouped.h"
+
+namespace moe_grouped::gemm {
+
+// The configurations compiled into the core. Not every configuration exists
+// for every (kind, dtype, output dtype): the kernel table in
+// grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
+// for all of them.
+enum class TileConfig : int {
+  kCoop128x256 = 0,  // cooperative, 128x256x64 tile, 2x1 cluster: large problems
+  kPong128x128 = 1,  // ping-pong, 128x128x64 tile, 2x1 cluster: short K, many groups
+  kPong64x256 = 2,   // ping-pong, 64x256x64 tile, 1x2 cluster: few tokens per expert
+  kCoop128x128 = 3,  // cooperative, 128x128x64 tile, 2x1 cluster
+  kCount = 4
+};
+
+const char* tile_config_name(TileConfig config);
+// Parses a name of tile_config_name(); returns false for an unknown name.
+bool parse_tile_config(const char* name, TileConfig* out);
+
+struct GemmShape {
+  mg_gemm_kind kind;
+  mg_dtype dtype;       // operands
+  mg_dtype out_dtype;   // y, dx or dW
+  int num_groups;       // E
+  int64_t total_rows;   // M, summed over experts
+  int64_t n;            // out_features
+  int64_t k;            // in_features
+};
+
+// The configuration to run. Only E, M, N and K are known on the host (the
+// split is on the device), so the choice uses the mean tokens per expert,
+// M / E, and never reads m_splits.
+TileConfig choose_tile_config(const GemmShape& shape);
+
+}  // namespace moe_grouped::gemm

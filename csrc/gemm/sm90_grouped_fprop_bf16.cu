@@ -1,0 +1,26 @@
+// bf16 fprop kernels: y = x . W^T (+ bias). The table's order does not matter;
+// the API picks an entry by (kind, dtype, output dtype, tile configuration).
+#include "gemm/sm90_grouped_gemm.cuh"
+
+namespace moe_grouped::gemm {
+namespace {
+using sm90::GroupedGemm;
+using sm90::entry;
+constexpr auto kKind = MG_GEMM_FPROP;
+constexpr auto kIn = MG_BFLOAT16;
+
+using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
+using Pong = GroupedGemm<kKind, kIn, kIn, TileConfig::kPong128x128>;
+using Pong64 = GroupedGemm<kKind, kIn, kIn, TileConfig::kPong64x256>;
+using Coop128 = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x128>;
+using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
+
+const KernelEntry kEntries[] = {entry<Coop>(), entry<Pong>(), entry<Pong64>(), entry<Coop128>(),
+                                entry<CoopF32>()};
+}  // namespace
+
+KernelList sm90_fprop_bf16_kernels() {
+  return {kEntries, static_cast<int>(sizeof(kEntries) / sizeof(kEntries[0]))};
+}
+
+}  // namespace moe_grouped::gemm

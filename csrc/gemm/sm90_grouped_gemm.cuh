@@ -1,0 +1,408 @@
+// SM90 grouped GEMMs on CUTLASS's ptr-array kernels, driven entirely from
+// device memory: a one-block setup kernel turns m_splits into per-group
+// problem shapes, pointers and strides in the workspace, and the persistent
+// GEMM reads them there. The host only knows E, M, N and K.
+//
+// One GroupedGemm<...> is one compiled kernel: operand and output types, the
+// GEMM kind (which fixes the layouts) and a tile configuration. The sm90_*.cu
+// translation units instantiate the ones we ship and list them in a table.
+//
+// Layouts, per expert e with m_e tokens at row offset o_e (CUTLASS M x N x K):
+//   fprop  M=m_e, N=n, K=k:  A = x[o_e:, :k] row-major, B = W_e^T (W_e [n, k]
+//          row-major is a K-major "column-major" B), D = y[o_e:, :n].
+//   dgrad  M=m_e, N=k, K=n:  A = dy[o_e:, :n] row-major, B = W_e as [n, k]
+//          row-major (N-major B), D = dx[o_e:, :k].
+//   wgrad  M=n, N=k, K=m_e:  A = dy_e^T (M-major), B = x_e (N-major),
+//          C = D = dW_e [n, k] row-major. Groups with m_e = 0 get M = 0 (no
+//          tiles; the kernel would otherwise store uninitialised
+//          accumulators) and, without accumulation, a zero fill.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/device_kernel.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/epilogue/fusion/operations.hpp>
+#include <cutlass/epilogue/fusion/sm90_callbacks_tma_warpspecialized.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <mutex>
+#include <type_traits>
+
+#include "core/error.h"
+#include "core/setup.cuh"
+#include "core/workspace.h"
+#include "gemm/grouped_gemm.h"
+
+namespace moe_grouped::gemm::sm90 {
+
+using cute::_0;
+using cute::_1;
+using cute::_2;
+using cute::_64;
+using cute::_128;
+using cute::_256;
+
+// ---- type maps ---------------------------------------------------------
+
+template <mg_dtype D>
+struct ElementOf;
+template <>
+struct ElementOf<MG_BFLOAT16> { using type = cutlass::bfloat16_t; };
+template <>
+struct ElementOf<MG_FLOAT16> { using type = cutlass::half_t; };
+template <>
+struct ElementOf<MG_FLOAT32> { using type = float; };
+
+template <TileConfig C>
+struct TileTraits;
+template <>
+struct TileTraits<TileConfig::kCoop128x256> {
+  using Tile = cute::Shape<_128, _256, _64>;
+  using Cluster = cute::Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <>
+struct TileTraits<TileConfig::kPong128x128> {
+  using Tile = cute::Shape<_128, _128, _64>;
+  using Cluster = cute::Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <>
+struct TileTraits<TileConfig::kPong64x256> {
+  using Tile = cute::Shape<_64, _256, _64>;
+  using Cluster = cute::Shape<_1, _2, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+template <>
+struct TileTraits<TileConfig::kCoop128x128> {
+  using Tile = cute::Shape<_128, _128, _64>;
+  using Cluster = cute::Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+template <mg_gemm_kind Kind>
+struct LayoutTraits;
+template <>
+struct LayoutTraits<MG_GEMM_FPROP> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <>
+struct LayoutTraits<MG_GEMM_DGRAD> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <>
+struct LayoutTraits<MG_GEMM_WGRAD> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+// ---- the kernel type ---------------------------------------------------
+
+template <mg_gemm_kind Kind, mg_dtype Dtype, mg_dtype OutDtype, TileConfig Config>
+struct GroupedGemm {
+  static constexpr mg_gemm_kind kKind = Kind;
+  static constexpr mg_dtype kDtype = Dtype;
+  static constexpr mg_dtype kOutDtype = OutDtype;
+  static constexpr TileConfig kConfig = Config;
+
+  using Element = typename ElementOf<Dtype>::type;
+  using ElementD = typename ElementOf<OutDtype>::type;
+  // Only wgrad reads C (dW itself, when accumulating); the others store only.
+  using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
+  using ElementAccumulator = float;
+  using Tiles = TileTraits<Config>;
+  using LayoutA = typename LayoutTraits<Kind>::A;
+  using LayoutB = typename LayoutTraits<Kind>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16 / sizeof(Element);
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
+
+  // fprop: D = acc + bias_e[n], the bias read through one pointer per group
+  // (a NULL array means no bias). dgrad, wgrad: D = acc + beta * C.
+  using BiasFusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch,
+      cutlass::epilogue::fusion::Sm90RowBroadcast<0, typename Tiles::Tile, Element*, float,
+                                                  cute::Stride<_0, _1, int64_t>>>;
+  using LinearFusion = cutlass::epilogue::fusion::LinearCombination<
+      ElementD, float, std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>, float>;
+  using Fusion = std::conditional_t<Kind == MG_GEMM_FPROP, BiasFusion, LinearFusion>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile,
+      typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      ElementAccumulator, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
+      typename Tiles::Epilogue, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element,
+      LayoutB*, kAlignAB, ElementAccumulator, typename Tiles::Tile, typename Tiles::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Tiles::Mainloop>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// ---- workspace layout ----------------------------------------------------
+
+// The per-group argument arrays followed by CUTLASS's own workspace; carved
+// the same way for sizing (base == nullptr) and for use.
+template <class G>
+struct Workspace {
+  int64_t* offsets = nullptr;  // [E + 1]
+  typename G::UnderlyingShape* shapes = nullptr;
+  const typename G::Element** ptr_a = nullptr;
+  const typename G::Element** ptr_b = nullptr;
+  typename G::ElementD** ptr_d = nullptr;  // also C for wgrad
+  const typename G::Element** ptr_bias = nullptr;
+  typename G::StrideA* stride_a = nullptr;
+  typename G::StrideB* stride_b = nullptr;
+  typename G::StrideD* stride_d = nullptr;  // also C for wgrad
+  void* gemm = nullptr;
+  size_t bytes = 0;
+};
+
+template <class G>
+typename G::Gemm::Arguments sizing_arguments(int num_groups, int sm_count) {
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {num_groups, nullptr, nullptr};
+  args.hw_info.sm_count = sm_count;
+  return args;
+}
+
+template <class G>
+Workspace<G> carve_workspace(void* base, int num_groups, int sm_count) {
+  WorkspaceCarver carver(base);
+  Workspace<G> w;
+  w.offsets = carver.take<int64_t>(num_groups + 1);
+  w.shapes = carver.take<typename G::UnderlyingShape>(num_groups);
+  w.ptr_a = carver.take<const typename G::Element*>(num_groups);
+  w.ptr_b = carver.take<const typename G::Element*>(num_groups);
+  w.ptr_d = carver.take<typename G::ElementD*>(num_groups);
+  if (G::kKind == MG_GEMM_FPROP) w.ptr_bias = carver.take<const typename G::Element*>(num_groups);
+  w.stride_a = carver.take<typename G::StrideA>(num_groups);
+  w.stride_b = carver.take<typename G::StrideB>(num_groups);
+  w.stride_d = carver.take<typename G::StrideD>(num_groups);
+  w.gemm = carver.take<char>(G::Gemm::get_workspace_size(sizing_arguments<G>(num_groups, sm_count)));
+  w.bytes = carver.bytes_used();
+  return w;
+}
+
+template <class G>
+size_t workspace_bytes(int num_groups, int sm_count) {
+  return carve_workspace<G>(nullptr, num_groups, sm_count).bytes;
+}
+
+// ---- setup kernel --------------------------------------------------------
+
+template <class G>
+struct SetupParams {
+  const void* m_splits;
+  int num_groups;
+  int64_t total_rows;
+  int n;
+  int k;
+  const typename G::Element* tokens;
+  const typename G::Element* tokens_b;
+  const char* weight_base;  // bytes; the element type is Element, or ElementD for wgrad
+  int64_t weight_stride_bytes;
+  const void* const* weight_ptrs;
+  const typename G::Element* bias;
+  typename G::ElementD* out;
+  Workspace<G> w;
+};
+
+template <class G, class SplitT>
+__global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<G> p) {
+  using Element = typename G::Element;
+  using ElementD = typename G::ElementD;
+  const auto* splits = static_cast<const SplitT*>(p.m_splits);
+  scan_splits(splits, p.num_groups, p.total_rows, p.w.offsets, [&](int g, int64_t start, int64_t count) {
+    const int m = static_cast<int>(count);
+    const int n = p.n;
+    const int k = p.k;
+    const void* weight = p.weight_base != nullptr
+                             ? static_cast<const void*>(p.weight_base + g * p.weight_stride_bytes)
+                             : p.weight_ptrs[g];
+    if constexpr (G::kKind == MG_GEMM_FPROP) {
+      p.w.shapes[g] = {m, n, k};
+      p.w.ptr_a[g] = p.tokens + start * k;
+      p.w.ptr_b[g] = static_cast<const Element*>(weight);
+      p.w.ptr_d[g] = p.out + start * n;
+      if (p.bias != nullptr) p.w.ptr_bias[g] = p.bias + static_cast<int64_t>(g) * n;
+      p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, k, 1});
+      p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {n, k, 1});
+      p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
+    } else if constexpr (G::kKind == MG_GEMM_DGRAD) {
+      p.w.shapes[g] = {m, k, n};
+      p.w.ptr_a[g] = p.tokens + start * n;
+      p.w.ptr_b[g] = static_cast<const Element*>(weight);
+      p.w.ptr_d[g] = p.out + start * k;
+      p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, n, 1});
+      p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {k, n, 1});
+      p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, k, 1});
+    } else {
+      // An empty reduction gets no tiles at all (M = 0); see the file comment.
+      p.w.shapes[g] = {m > 0 ? n : 0, k, m};
+      p.w.ptr_a[g] = p.tokens + start * n;
+      p.w.ptr_b[g] = p.tokens_b + start * k;
+      p.w.ptr_d[g] = static_cast<ElementD*>(const_cast<void*>(weight));
+      p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {n, m, 1});
+      p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {k, m, 1});
+      p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {n, k, 1});
+    }
+  });
+}
+
+// Writes zeros over dW_e of every group without tokens. Grid: (x, E).
+template <class ElementD>
+__global__ void __launch_bounds__(256)
+    zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_d, int64_t vectors_per_group) {
+  const int g = blockIdx.y;
+  if (offsets[g + 1] != offsets[g]) return;
+  auto* out = reinterpret_cast<uint4*>(ptr_d[g]);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors_per_group;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// ---- launch --------------------------------------------------------------
+
+constexpr int kMaxDevices = 64;
+
+// Raises the kernel's dynamic shared memory limit once per device. The
+// attribute call is legal during capture, but doing it once keeps captures
+// to kernel launches only.
+template <class G>
+mg_status prepare_kernel(int device) {
+  static std::once_flag flags[kMaxDevices];
+  static cudaError_t results[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "device %d is out of range [0, %d)", device, kMaxDevices);
+  }
+  std::call_once(flags[device], [&] {
+    int smem = static_cast<int>(G::Kernel::SharedStorageSize);
+    results[device] = smem >= (48 << 10)
+                          ? cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
+                          : cudaSuccess;
+  });
+  if (results[device] != cudaSuccess) {
+    return cuda_fail(results[device], "cudaFuncSetAttribute for the grouped GEMM's shared memory");
+  }
+  return MG_OK;
+}
+
+template <class G>
+mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
+  using Element = typename G::Element;
+  using ElementD = typename G::ElementD;
+  int device = 0;
+  MG_CUDA_RETURN(cudaGetDevice(&device));
+  MG_RETURN_IF_ERROR(prepare_kernel<G>(device));
+
+  Workspace<G> w = carve_workspace<G>(call.workspace, call.num_groups, call.sm_count);
+
+  SetupParams<G> setup{};
+  setup.m_splits = call.m_splits;
+  setup.num_groups = call.num_groups;
+  setup.total_rows = call.total_rows;
+  setup.n = static_cast<int>(call.n);
+  setup.k = static_cast<int>(call.k);
+  setup.tokens = static_cast<const Element*>(call.tokens);
+  setup.tokens_b = static_cast<const Element*>(call.tokens_b);
+  setup.weight_base = static_cast<const char*>(call.weight.base);
+  const size_t weight_elem = G::kKind == MG_GEMM_WGRAD ? sizeof(ElementD) : sizeof(Element);
+  setup.weight_stride_bytes = call.weight.group_stride * static_cast<int64_t>(weight_elem);
+  setup.weight_ptrs = reinterpret_cast<const void* const*>(call.weight.ptrs);
+  setup.bias = static_cast<const Element*>(call.bias);
+  setup.out = static_cast<ElementD*>(call.out);
+  setup.w = w;
+  if (call.splits_dtype == MG_INT32) {
+    grouped_gemm_setup<G, int32_t><<<1, kSetupThreads, 0, stream>>>(setup);
+  } else {
+    grouped_gemm_setup<G, int64_t><<<1, kSetupThreads, 0, stream>>>(setup);
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+
+  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
+    int64_t vectors = call.n * call.k * static_cast<int64_t>(sizeof(ElementD)) / 16;
+    int64_t blocks = (vectors + 255) / 256;
+    dim3 grid(static_cast<unsigned>(blocks < 128 ? (blocks > 0 ? blocks : 1) : 128),
+              static_cast<unsigned>(call.num_groups));
+    zero_empty_groups<ElementD><<<grid, 256, 0, stream>>>(w.offsets, w.ptr_d, vectors);
+    MG_CUDA_RETURN(cudaGetLastError());
+  }
+
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {call.num_groups, w.shapes, nullptr};
+  args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b};
+  args.epilogue.ptr_D = w.ptr_d;
+  args.epilogue.dD = w.stride_d;
+  if constexpr (G::kKind == MG_GEMM_FPROP) {
+    // {acc, bias row broadcast, plus}; a NULL pointer array reads as zeros.
+    args.epilogue.thread = {{}, {call.bias != nullptr ? w.ptr_bias : nullptr, Element(0), {}}, {}};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = (G::kKind == MG_GEMM_WGRAD && call.accumulate) ? 1.0f : 0.0f;
+    if constexpr (G::kKind == MG_GEMM_WGRAD) {
+      args.epilogue.ptr_C = const_cast<const ElementD**>(w.ptr_d);
+      args.epilogue.dC = w.stride_d;
+    }
+  }
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = call.sm_count;
+
+  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL, "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)",
+                call.num_groups, static_cast<long long>(call.n), static_cast<long long>(call.k));
+  }
+  cutlass::Status status = G::Kernel::initialize_workspace(args, w.gemm, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL, "CUTLASS could not initialise its grouped GEMM workspace: %s",
+                cutlassGetStatusString(status));
+  }
+  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, w.gemm);
+  status = G::Gemm::run(params, stream);
+  if (status != cutlass::Status::kSuccess) {
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_fail(err, "the grouped GEMM launch");
+    return fail(MG_ERROR_INTERNAL, "CUTLASS failed to launch the grouped GEMM: %s",
+                cutlassGetStatusString(status));
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+  return MG_OK;
+}
+
+template <class G>
+constexpr KernelEntry entry() {
+  return KernelEntry{G::kKind, G::kDtype, G::kOutDtype, G::kConfig, &workspace_bytes<G>, &run<G>};
+}
+
+}  // namespace moe_grouped::gemm::sm90

@@ -1,0 +1,248 @@
+"""The ``cuda`` backend: the core's CUTLASS SM90 grouped GEMMs.
+
+Graph-safe: ``m_splits`` stays on the device (a setup kernel turns it into
+per-expert shapes and pointers inside a persistent workspace), nothing is
+allocated in the core during capture, and every call goes to the current
+torch stream.
+
+Rules the core enforces (it raises ``ValueError`` otherwise):
+
+- operands are bfloat16 or float16; outputs are the operand dtype or float32;
+- ``N`` and ``K`` are multiples of 8 (TMA moves 16-byte rows), see
+  :func:`shape_supported`;
+- every tensor is contiguous and 16-byte aligned (fresh torch allocations
+  are); the separate-weights layout passes the experts' addresses as a device
+  array of pointers, built outside capture and cached by address: run one
+  eager step before capturing, as for the workspaces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Optional, Sequence
+
+import torch
+
+from .. import _core
+from .common import is_grouped_layout
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# N and K must be multiples of this many elements.
+ALIGNMENT = 8
+
+SLOT_FPROP_DGRAD = _core.SLOT_FPROP_DGRAD
+SLOT_WGRAD = _core.SLOT_WGRAD
+
+
+def shape_supported(n: int, k: int) -> bool:
+    """Whether the kernels take ``out_features=n`` and ``in_features=k``."""
+    return n > 0 and k > 0 and n % ALIGNMENT == 0 and k % ALIGNMENT == 0
+
+
+def _device_index(tensor: torch.Tensor) -> int:
+    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
+
+def _problem(
+    tokens: torch.Tensor, m_splits: torch.Tensor, num_groups: int, n: int, k: int, slot: int
+) -> _core.GroupedProblem:
+    return _core.GroupedProblem(
+        num_groups=num_groups,
+        total_rows=tokens.shape[0],
+        n=n,
+        k=k,
+        m_splits=m_splits.data_ptr(),
+        splits_dtype=_core.dtype_code(m_splits.dtype),
+        dtype=_core.dtype_code(tokens.dtype),
+        device=_device_index(tokens),
+        workspace_slot=slot,
+    )
+
+
+# Device arrays of expert addresses for the separate-weights layout, keyed by
+# (device, addresses). Built only outside capture; the cache keeps them alive
+# for the graphs that read them.
+_POINTER_ARRAYS: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _pointer_array(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    device = tensors[0].device
+    key = (_device_index(tensors[0]), tuple(t.data_ptr() for t in tensors))
+    array = _POINTER_ARRAYS.get(key)
+    if array is not None:
+        return array
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the cuda backend needs a device array of the experts' weight (or gradient) addresses, "
+            "and these addresses were not seen before the CUDA graph capture began; building the "
+            "array would copy from the host, which cannot be captured. Run one eager step with the "
+            "same tensors before capturing, or use one grouped [E, N, K] tensor"
+        )
+    array = torch.tensor(key[1], dtype=torch.int64).to(device)
+    _POINTER_ARRAYS[key] = array
+    return array
+
+
+def clear_pointer_cache() -> None:
+    """Drops the cached address arrays (graphs that used them must not replay)."""
+    _POINTER_ARRAYS.clear()
+
+
+def _operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
+    """``mg_group_operand`` for ``[W]`` (W of shape [E, N, K]) or E tensors [N, K]."""
+    if is_grouped_layout(tensors):
+        w = tensors[0]
+        _require_contiguous("the grouped weight", w)
+        return _core.GroupOperand(base=w.data_ptr(), group_stride=w.stride(0), ptrs=None)
+    for e, w in enumerate(tensors):
+        _require_contiguous(f"expert {e}'s matrix", w)
+        if w.data_ptr() % 16 != 0:
+            raise ValueError(
+                f"the cuda backend needs 16-byte aligned expert matrices; expert {e}'s starts at "
+                f"address {w.data_ptr():#x}"
+            )
+    return _core.GroupOperand(base=None, group_stride=0, ptrs=_pointer_array(tensors).data_ptr())
+
+
+def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(f"the cuda backend needs {name} contiguous, got strides {tensor.stride()}")
+
+
+def _matrix_shape(tensors: Sequence[torch.Tensor]) -> tuple[int, int, int]:
+    if is_grouped_layout(tensors):
+        e, n, k = tensors[0].shape
+        return e, n, k
+    n, k = tensors[0].shape
+    return len(tensors), n, k
+
+
+def _stream(tensor: torch.Tensor) -> int:
+    return torch.cuda.current_stream(tensor.device).cuda_stream
+
+
+def _check_out_dtype(out_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    if out_dtype not in (dtype, torch.float32):
+        raise TypeError(
+            f"the cuda backend writes {dtype} or torch.float32 outputs for {dtype} operands, "
+            f"got {out_dtype}"
+        )
+
+
+def workspace_size(
+    kind: int, num_groups: int, total_rows: int, n: int, k: int, dtype: torch.dtype, device
+) -> int:
+    """Bytes of workspace one GEMM of ``kind`` (``_core.GEMM_*``) takes; reserve before capture."""
+    lib = _core.require()
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    problem = _core.GroupedProblem(
+        num_groups=num_groups,
+        total_rows=total_rows,
+        n=n,
+        k=k,
+        m_splits=1,  # only checked for NULL
+        splits_dtype=_core.dtype_code(torch.int64),
+        dtype=_core.dtype_code(dtype),
+        device=index,
+        workspace_slot=SLOT_WGRAD if kind == _core.GEMM_WGRAD else SLOT_FPROP_DGRAD,
+    )
+    size = ctypes.c_size_t()
+    _core.check(lib.mg_grouped_gemm_workspace_size(ctypes.byref(problem), kind, ctypes.byref(size)))
+    return size.value
+
+
+def fprop(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    m_splits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    lib = _core.require()
+    _check_out_dtype(out_dtype, x.dtype)
+    num_groups, n, k = _matrix_shape(weights)
+    x = x.contiguous()
+    if bias is not None:
+        bias = bias.to(x.dtype).contiguous()
+    y = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    problem = _problem(x, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    _core.check(
+        lib.mg_grouped_fprop(
+            ctypes.byref(problem),
+            x.data_ptr(),
+            _operand(weights),
+            bias.data_ptr() if bias is not None else None,
+            y.data_ptr(),
+            _core.dtype_code(out_dtype),
+            _stream(x),
+        )
+    )
+    return y
+
+
+def dgrad(
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    lib = _core.require()
+    _check_out_dtype(out_dtype, dy.dtype)
+    num_groups, n, k = _matrix_shape(weights)
+    dy = dy.contiguous()
+    dx = torch.empty(dy.shape[0], k, dtype=out_dtype, device=dy.device)
+    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    _core.check(
+        lib.mg_grouped_dgrad(
+            ctypes.byref(problem),
+            dy.data_ptr(),
+            _operand(weights),
+            dx.data_ptr(),
+            _core.dtype_code(out_dtype),
+            _stream(dy),
+        )
+    )
+    return dx
+
+
+def wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    m_splits: torch.Tensor,
+    out: Sequence[torch.Tensor],
+    accumulate: bool,
+) -> None:
+    lib = _core.require()
+    out_dtype = out[0].dtype
+    _check_out_dtype(out_dtype, dy.dtype)
+    num_groups, n, k = _matrix_shape(out)
+    dy = dy.contiguous()
+    x = x.contiguous()
+    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD)
+    _core.check(
+        lib.mg_grouped_wgrad(
+            ctypes.byref(problem),
+            dy.data_ptr(),
+            x.data_ptr(),
+            _operand(out),
+            _core.dtype_code(out_dtype),
+            1 if accumulate else 0,
+            _stream(dy),
+        )
+    )
+
+
+def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype) -> torch.Tensor:
+    lib = _core.require()
+    _check_out_dtype(out_dtype, dy.dtype)
+    dy = dy.contiguous()
+    out = torch.empty(num_groups, dy.shape[1], dtype=out_dtype, device=dy.device)
+    problem = _problem(dy, m_splits, num_groups, dy.shape[1], 0, SLOT_FPROP_DGRAD)
+    _core.check(
+        lib.mg_grouped_dbias(
+            ctypes.byref(problem), dy.data_ptr(), out.data_ptr(), _core.dtype_code(out_dtype), _stream(dy)
+        )
+    )
+    return out
+
+
+__all__ = ["fprop", "dgrad", "wgrad", "dbias", "shape_supported", "workspace_size"]

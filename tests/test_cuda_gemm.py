@@ -1,0 +1,283 @@
+"""The ``cuda`` backend's grouped GEMMs against the float64 oracle, and under
+CUDA-graph replay against themselves.
+
+Every kernel is checked with DeepGEMM's similarity metric (``calc_diff``) and
+a relative error, over awkward splits (zero-token experts, one token, all
+tokens to one expert, E up to 256) and shapes whose N and K are multiples of 8
+but not of the 64/128/256-wide tiles.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from moe_grouped import _core, backends
+
+from cases import (
+    SPLIT_PATTERNS,
+    assert_close_to,
+    bounds,
+    calc_diff,
+    make_splits,
+    oracle_dbias,
+    oracle_dgrad,
+    oracle_fprop,
+    oracle_wgrad,
+)
+
+
+def _cuda_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU; none is visible"
+    return backends.cuda_unavailable_reason(torch.device("cuda"))
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_cuda_reason() is not None, reason=f"cuda backend unavailable: {_cuda_reason()}"),
+]
+
+if _cuda_reason() is None:
+    from moe_grouped.ops import cuda_backend
+else:  # collected but skipped
+    cuda_backend = None
+
+# (E, M, K, N): K and N multiples of 8 but not of the tiles; E up to 256.
+SHAPES = [(1, 77, 136, 200), (4, 300, 264, 520), (8, 1024, 520, 392), (256, 3000, 128, 64)]
+SHAPE_IDS = ["E{}_M{}_K{}_N{}".format(*s) for s in SHAPES]
+# bf16 passes 1e-5 easily; fp16's wider mantissa passes it too.
+MAX_DIFF = 1e-5
+
+
+def _problem(shape, dtype, pattern, layout, seed=0):
+    num_experts, total, k, n = shape
+    gen = torch.Generator().manual_seed(seed)
+    splits = make_splits(pattern, num_experts, total, seed)
+    x = torch.randn(total, k, generator=gen).to(dtype).cuda()
+    stacked = (torch.randn(num_experts, n, k, generator=gen) / k**0.5).to(dtype).cuda()
+    weights = [stacked] if layout == "grouped" else [w.clone() for w in stacked.unbind(0)]
+    return splits, x, weights
+
+
+def _check(actual, expected, dtype, case):
+    diff = calc_diff(actual, expected)
+    assert diff < MAX_DIFF, f"{case}: calc_diff {diff:.3e} >= {MAX_DIFF:.0e}"
+    assert_close_to(actual, expected, dtype, case)
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("layout", ["grouped", "separate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_fprop(dtype, layout, shape, pattern):
+    splits, x, weights = _problem(shape, dtype, pattern, layout)
+    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    bias = torch.randn(shape[0], shape[3]).to(dtype).cuda()
+    for use_bias in (False, True):
+        for out_dtype in (dtype, torch.float32):
+            case = f"fprop {dtype=} {layout=} {shape=} {pattern=} {use_bias=} {out_dtype=}"
+            b = bias if use_bias else None
+            y = cuda_backend.fprop(x, weights, m_splits, b, out_dtype)
+            assert y.dtype == out_dtype, case
+            _check(y, oracle_fprop(x, weights, splits, b), dtype, case)
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("layout", ["grouped", "separate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dgrad(dtype, layout, shape, pattern):
+    splits, _, weights = _problem(shape, dtype, pattern, layout)
+    m_splits = torch.tensor(splits, dtype=torch.int64, device="cuda")
+    dy = torch.randn(shape[1], shape[3]).to(dtype).cuda()
+    expected = oracle_dgrad(dy, weights, splits)
+    for out_dtype in (dtype, torch.float32):
+        case = f"dgrad {dtype=} {layout=} {shape=} {pattern=} {out_dtype=}"
+        dx = cuda_backend.dgrad(dy, weights, m_splits, out_dtype)
+        assert dx.dtype == out_dtype, case
+        _check(dx, expected, dtype, case)
+
+
+def _wgrad_out(num_experts, n, k, dtype, layout, fill):
+    if fill == "random":
+        stacked = torch.randn(num_experts, n, k, device="cuda").to(dtype)
+    else:
+        stacked = torch.full((num_experts, n, k), fill, dtype=dtype, device="cuda")
+    return [stacked] if layout == "grouped" else [w.clone() for w in stacked.unbind(0)]
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("layout", ["grouped", "separate"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_wgrad(dtype, layout, shape, pattern):
+    num_experts, total, k, n = shape
+    splits, x, _ = _problem(shape, dtype, pattern, "grouped")
+    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    dy = torch.randn(total, n).to(dtype).cuda()
+    expected = oracle_wgrad(dy, x, splits)
+    empty = [s == t for s, t in bounds(splits)]
+
+    for out_dtype in (torch.float32, dtype):
+        # Overwrite: poisoned with NaN, so an expert the kernels skip shows up.
+        case = f"wgrad {dtype=} {layout=} {shape=} {pattern=} {out_dtype=} accumulate=False"
+        out = _wgrad_out(num_experts, n, k, out_dtype, layout, float("nan"))
+        cuda_backend.wgrad(dy, x, m_splits, out, False)
+        got = torch.stack(_experts(out))
+        _check(got, expected, dtype, case)
+        for e in range(num_experts):
+            if empty[e]:
+                assert torch.count_nonzero(got[e]) == 0, f"{case}: empty expert {e} is not zero"
+
+    # Accumulate into fp32 main_grad: empty experts stay bitwise untouched.
+    case = f"wgrad {dtype=} {layout=} {shape=} {pattern=} accumulate=True"
+    out = _wgrad_out(num_experts, n, k, torch.float32, layout, "random")
+    before = torch.stack(_experts(out)).clone()
+    cuda_backend.wgrad(dy, x, m_splits, out, True)
+    got = torch.stack(_experts(out))
+    assert_close_to(got, before.double().cpu() + expected, dtype, case)
+    for e in range(num_experts):
+        if empty[e]:
+            assert torch.equal(got[e], before[e]), f"{case}: empty expert {e} was modified"
+
+
+def _experts(out):
+    return list(out[0].unbind(0)) if len(out) == 1 and out[0].dim() == 3 else list(out)
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", [(1, 77, 8, 200), (8, 1000, 8, 4104), (256, 3000, 8, 36)],
+                         ids=["E1_N200", "E8_N4104", "E256_N36"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dbias(dtype, shape, pattern):
+    num_experts, total, _, n = shape
+    splits = make_splits(pattern, num_experts, total)
+    m_splits = torch.tensor(splits, device="cuda")
+    dy = torch.randn(total, n).to(dtype).cuda()
+    expected = oracle_dbias(dy, splits)
+    for out_dtype in (torch.float32, dtype):
+        case = f"dbias {dtype=} {shape=} {pattern=} {out_dtype=}"
+        got = cuda_backend.dbias(dy, m_splits, num_experts, out_dtype)
+        assert got.dtype == out_dtype and got.shape == (num_experts, n), case
+        assert_close_to(got, expected, torch.float32 if out_dtype == torch.float32 else dtype, case)
+        for e, (s, t) in enumerate(bounds(splits)):
+            if s == t:
+                assert torch.count_nonzero(got[e]) == 0, f"{case}: empty expert {e} is not zero"
+
+
+def test_no_tokens():
+    weights = [torch.randn(4, 64, 32, device="cuda").bfloat16()]
+    x = torch.empty(0, 32, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.zeros(4, dtype=torch.int32, device="cuda")
+    assert cuda_backend.fprop(x, weights, m_splits, None, torch.bfloat16).shape == (0, 64)
+    dy = torch.empty(0, 64, device="cuda", dtype=torch.bfloat16)
+    assert cuda_backend.dgrad(dy, weights, m_splits, torch.bfloat16).shape == (0, 32)
+    out = [torch.full((4, 64, 32), float("nan"), device="cuda")]
+    cuda_backend.wgrad(dy, x, m_splits, out, False)
+    assert torch.count_nonzero(out[0]) == 0
+    assert torch.count_nonzero(cuda_backend.dbias(dy, m_splits, 4, torch.float32)) == 0
+
+
+@pytest.mark.parametrize("n, k", [(100, 64), (64, 100), (4, 64)])
+def test_misaligned_shapes_are_refused(n, k):
+    assert not cuda_backend.shape_supported(n, k)
+    x = torch.randn(16, k, device="cuda").bfloat16()
+    weights = [torch.randn(2, n, k, device="cuda").bfloat16()]
+    m_splits = torch.tensor([8, 8], device="cuda")
+    with pytest.raises(ValueError, match=f"n={n} k={k}"):
+        cuda_backend.fprop(x, weights, m_splits, None, torch.bfloat16)
+
+
+def test_output_dtype_is_checked():
+    x = torch.randn(16, 64, device="cuda").bfloat16()
+    weights = [torch.randn(2, 64, 64, device="cuda").bfloat16()]
+    m_splits = torch.tensor([8, 8], device="cuda")
+    with pytest.raises(TypeError, match="float16"):
+        cuda_backend.fprop(x, weights, m_splits, None, torch.float16)
+
+
+def test_workspace_size_is_what_a_call_requests():
+    """The size Python reserves before capture equals the call's request."""
+    lib = _core.require()
+    device, slot = torch.cuda.current_device(), 6
+    num_experts, total, k, n = 24, 500, 64, 128
+    x = torch.randn(total, k, device="cuda").bfloat16()
+    w = torch.randn(num_experts, n, k, device="cuda").bfloat16()
+    y = torch.empty(total, n, device="cuda").bfloat16()
+    m_splits = torch.tensor(make_splits("skewed", num_experts, total), device="cuda")
+    _core.check(lib.mg_workspace_release(device, slot))
+    problem = _core.GroupedProblem(num_experts, total, n, k, m_splits.data_ptr(), _core.dtype_code(torch.int64),
+                                   _core.dtype_code(torch.bfloat16), device, slot)
+    operand = _core.GroupOperand(w.data_ptr(), w.stride(0), None)
+    stream = torch.cuda.current_stream().cuda_stream
+    _core.check(lib.mg_grouped_fprop(ctypes.byref(problem), x.data_ptr(), operand, None, y.data_ptr(),
+                                     _core.dtype_code(torch.bfloat16), stream))
+    stats = _core.WorkspaceStats()
+    _core.check(lib.mg_workspace_stats_get(device, slot, ctypes.byref(stats)))
+    expected = cuda_backend.workspace_size(_core.GEMM_FPROP, num_experts, total, n, k, torch.bfloat16, "cuda")
+    assert stats.high_water == expected
+    _core.check(lib.mg_workspace_release(device, slot))
+
+
+def test_separate_weights_first_seen_during_capture_raise():
+    weights = [torch.randn(64, 32, device="cuda").bfloat16() for _ in range(3)]
+    x = torch.randn(30, 32, device="cuda").bfloat16()
+    m_splits = torch.tensor([10, 10, 10], device="cuda")
+    cuda_backend.fprop(x, [torch.stack(weights)], m_splits, None, torch.bfloat16)  # warm the workspace
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="eager step"):
+        with torch.cuda.graph(graph):
+            cuda_backend.fprop(x, weights, m_splits, None, torch.bfloat16)
+
+
+def _random_splits(gen, num_experts, total):
+    """Random counts summing to ``total``, often with empty experts."""
+    active = int(torch.randint(1, num_experts + 1, (1,), generator=gen))
+    experts = torch.randperm(num_experts, generator=gen)[:active]
+    choice = experts[torch.randint(active, (total,), generator=gen)]
+    return torch.bincount(choice, minlength=num_experts).to(torch.int32)
+
+
+def test_graph_replay_is_bitwise_eager():
+    """fprop in one graph, dgrad + wgrad (slots 0 and 1) in another, 200 replays."""
+    num_experts, total, k, n = 8, 2048, 256, 512
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(total, k, generator=gen).bfloat16().cuda()
+    dy = torch.randn(total, n, generator=gen).bfloat16().cuda()
+    weights = [(torch.randn(num_experts, n, k, generator=gen) / k**0.5).bfloat16().cuda()]
+    main_grad = torch.zeros(num_experts, n, k, device="cuda")
+    m_splits = _random_splits(gen, num_experts, total).cuda()
+
+    def forward():
+        return cuda_backend.fprop(x, weights, m_splits, None, torch.bfloat16)
+
+    def backward(out):
+        dx = cuda_backend.dgrad(dy, weights, m_splits, torch.bfloat16)
+        cuda_backend.wgrad(dy, x, m_splits, [out], False)
+        return dx
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: workspaces grow here, not in capture
+        forward()
+        backward(main_grad)
+    torch.cuda.current_stream().wait_stream(side)
+    fwd_graph, bwd_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(fwd_graph):
+        y_static = forward()
+    with torch.cuda.graph(bwd_graph, pool=fwd_graph.pool()):
+        dx_static = backward(main_grad)
+
+    eager_dw = torch.empty_like(main_grad)
+    for step in range(200):
+        m_splits.copy_(_random_splits(gen, num_experts, total))
+        fwd_graph.replay()
+        bwd_graph.replay()
+        y, dx = forward(), backward(eager_dw)
+        case = f"replay {step} splits={m_splits.tolist()}"
+        assert torch.equal(y_static, y), f"fprop {case}"
+        assert torch.equal(dx_static, dx), f"dgrad {case}"
+        assert torch.equal(main_grad, eager_dw), f"wgrad {case}"
