@@ -81,6 +81,19 @@ def _main_grads(weights) -> list[torch.Tensor]:
     return grads
 
 
+def _grouped_wgrad_into_fresh(dy, x, m_splits, weights, backend: str) -> list[torch.Tensor]:
+    """Weight gradients in new memory, one tensor per weight parameter.
+
+    Always computed into one [E, N, K] tensor: per-expert outputs would need a
+    device array of their addresses, and fresh addresses cannot get one during
+    capture. The separate layout gets per-expert views of it.
+    """
+    w = weights[0]
+    grads = torch.empty(len(weights) if w.dim() == 2 else w.shape[0], *w.shape[-2:], dtype=w.dtype, device=w.device)
+    torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, [grads], False, backend)
+    return [grads] if w.dim() == 3 else list(grads.unbind(0))
+
+
 def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases) -> list[Optional[torch.Tensor]]:
     """Weight and bias gradients, in parameter order.
 
@@ -94,8 +107,7 @@ def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases) -> list[Optional
             weight.grad_added_to_main_grad = True
         weight_grads = [None] * len(weights)
     else:
-        weight_grads = [torch.empty_like(w) for w in weights]
-        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, weight_grads, False, spec.backend)
+        weight_grads = _grouped_wgrad_into_fresh(dy, x, m_splits, weights, spec.backend)
     bias_grads = []
     if spec.has_bias:
         dbias = torch.ops.moe_grouped.grouped_dbias(dy, m_splits, num_groups_of(weights), dy.dtype, spec.backend)

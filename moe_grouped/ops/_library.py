@@ -71,8 +71,10 @@ def _fprop_backward(ctx, grad_y):
     dx = torch.ops.moe_grouped.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend) if needs_x else None
     dw = None
     if needs_w:
-        dw = [torch.empty_like(w) for w in weights]
-        torch.ops.moe_grouped.grouped_wgrad_(grad_y, x, m_splits, dw, False, ctx.backend)
+        # One [E, N, K] output even for separate weights (see grouped_linear).
+        grads = grad_y.new_empty(num_groups_of(weights), weights[0].shape[-2], weights[0].shape[-1])
+        torch.ops.moe_grouped.grouped_wgrad_(grad_y, x, m_splits, [grads], False, ctx.backend)
+        dw = [grads] if len(weights) == 1 and weights[0].dim() == 3 else list(grads.unbind(0))
     db = None
     if ctx.has_bias and needs_bias:
         db = torch.ops.moe_grouped.grouped_dbias(
