@@ -144,14 +144,28 @@ def _copy_direction(runtime, node) -> str:
     return classify_copy(_on_host(runtime, src), _on_host(runtime, dst))
 
 
-def _kernel_name(driver, node) -> Optional[str]:
-    cu_node = driver.CUgraphNode(init_value=int(node))
-    error, params = driver.cuGraphKernelNodeGetParams(cu_node)
-    if int(error) != 0 or not int(params.func):
-        return None
-    error, name = driver.cuFuncGetName(driver.CUfunction(init_value=int(params.func)))
-    if int(error) != 0:
-        return None
+def _kernel_name(runtime, driver, node) -> Optional[str]:
+    """The kernel's name via its CUfunction, its CUkernel, or the runtime's function handle."""
+    error, params = driver.cuGraphKernelNodeGetParams(driver.CUgraphNode(init_value=int(node)))
+    if int(error) == 0:
+        if int(params.func):
+            error, name = driver.cuFuncGetName(driver.CUfunction(init_value=int(params.func)))
+            if int(error) == 0:
+                return _text(name)
+        kernel = getattr(params, "kern", None)
+        if kernel is not None and int(kernel) and hasattr(driver, "cuKernelGetName"):
+            error, name = driver.cuKernelGetName(driver.CUkernel(init_value=int(kernel)))
+            if int(error) == 0:
+                return _text(name)
+    error, params = runtime.cudaGraphKernelNodeGetParams(node)
+    if int(error) == 0 and params.func and hasattr(runtime, "cudaFuncGetName"):
+        error, name = runtime.cudaFuncGetName(params.func)
+        if int(error) == 0:
+            return _text(name)
+    return None
+
+
+def _text(name) -> str:
     return name.decode() if isinstance(name, bytes) else str(name)
 
 
@@ -187,7 +201,7 @@ def _walk(runtime, driver, raw, depth: int, out: list[GraphNode]) -> None:
     children = []
     for i, handle in enumerate(handles):
         kind = _type_name(runtime, _check(runtime.cudaGraphNodeGetType(handle)))
-        name = _kernel_name(driver, handle) if kind == "kernel" else None
+        name = _kernel_name(runtime, driver, handle) if kind == "kernel" else None
         copy = _copy_direction(runtime, handle) if kind == "memcpy" else None
         out.append(GraphNode(base + i, kind, name, copy, depth, tuple(depends.get(base + i, ()))))
         if kind == "graph":

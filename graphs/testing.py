@@ -120,6 +120,7 @@ class AllocatorPerturber:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             for block in self._blocks():
+                block.fill_(0)  # a node, so the throw-away graph is not empty (it never replays)
                 if self.random.random() < 0.5:
                     self.held.append(block)
         self.dummy_graphs.append(graph)

@@ -80,7 +80,7 @@ class _ToyFunction(torch.autograd.Function):
             wgrad_meta = op.workspace("dgrad" if op.wgrad_slot == "shared" else "wgrad", rows)
             # Batched setup: both setup kernels first, then both consumers.
             dgrad_meta.copy_(_row_experts(m_splits, rows, reverse=True))
-            wgrad_meta.copy_(ctx.meta)
+            wgrad_meta.copy_(_row_experts(m_splits, rows))
         dx = dy * scale.flip(0)[dgrad_meta]
         onehot = torch.zeros(rows, num_experts, dtype=torch.float32, device=x.device)
         onehot.scatter_(1, wgrad_meta.unsqueeze(1), 1.0)
