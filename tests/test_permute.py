@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-import moe_grouped
 from moe_grouped import permute, unpermute
+from moe_grouped.permute import cuda_unavailable_reason
 
 ROUTINGS = ("random", "zero_token_experts", "all_to_one", "one_per_expert")
 
@@ -136,7 +136,7 @@ def test_bad_arguments_are_refused(call, error, message):
 
 def gpu_backends():
     names = ["torch"]
-    if torch.cuda.is_available() and moe_grouped.permute.cuda_unavailable_reason(torch.device("cuda")) is None:
+    if torch.cuda.is_available() and cuda_unavailable_reason(torch.device("cuda")) is None:
         names.append("cuda")
     return names
 
