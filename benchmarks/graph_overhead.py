@@ -5,18 +5,21 @@ For each graph-safe backend, shape and split pattern, one step is
 ``moe_grouped.graphs.make_graphed_callables`` (which copies x and m_splits
 into its static buffers and replays the forward and backward graphs).
 
-Columns: ``cpu_ms`` is the host time to issue one step (200 steps issued
-back to back, no synchronisation inside, divided by 200); ``ms`` is the GPU
-time per step (CUDA events, median of 30); ``wall_ms`` the time per step
-including the final synchronisation. Writes
+Columns: ``cpu_ms`` is the host time to issue one step onto an idle GPU
+(median of 50; the CPU-side cost); ``ms`` the GPU time per step (CUDA
+events, median of 30); ``wall_ms`` the time per step of 200 steps issued
+back to back (throughput); ``host_syncs`` the synchronising calls torch's
+sync debug mode reports for one step. Writes
 ``benchmarks/results/graph_overhead-<gpu>.json``.
 """
 
 from __future__ import annotations
 
 import pathlib
+import statistics
 import sys
 import time
+import warnings
 
 import torch
 
@@ -32,17 +35,39 @@ STEPS = 200
 
 
 def host_ms(step, steps: int = STEPS) -> tuple[float, float]:
-    """(host ms to issue one step, wall ms per step including the drain)."""
+    """(host ms to issue one step onto an idle GPU, median; wall ms per step over ``steps`` back to back).
+
+    Issuing many steps back to back fills the launch queue, after which the
+    host waits for the GPU: the first number measures one step from an empty
+    queue instead, so it is the CPU-side cost alone.
+    """
     for _ in range(5):
         step()
+    issue = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    issued = time.perf_counter()
     torch.cuda.synchronize()
-    done = time.perf_counter()
-    return (issued - start) * 1e3 / steps, (done - start) * 1e3 / steps
+    return statistics.median(issue) * 1e3, (time.perf_counter() - start) * 1e3 / steps
+
+
+def host_syncs(step) -> int:
+    """How many synchronising calls one step makes (torch's sync debug mode)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def main() -> None:
@@ -74,6 +99,7 @@ def main() -> None:
                     graphed(x, m_splits).backward(dy)
 
                 for mode, step in (("eager", eager_step), ("graph", graph_step)):
+                    syncs = host_syncs(step)
                     cpu_ms, wall_ms = host_ms(step)
                     gpu_ms = time_ms(step, warmup=5, repeats=30)
                     rows.append({
@@ -86,9 +112,10 @@ def main() -> None:
                         "ms": gpu_ms,
                         "cpu_ms": cpu_ms,
                         "wall_ms": wall_ms,
+                        "host_syncs": syncs,
                     })
                     print(f"{backend:<6} {rows[-1]['shape']:<28} {pattern:<9} {mode:<6} "
-                          f"gpu {gpu_ms:8.4f} ms  host {cpu_ms:8.4f} ms/step  wall {wall_ms:8.4f} ms/step", flush=True)
+                          f"gpu {gpu_ms:8.4f} ms  host {cpu_ms:8.4f} ms/step  wall {wall_ms:8.4f} ms/step  syncs {syncs}", flush=True)
     path = write_results("graph_overhead", rows)
     print(f"wrote {path}")
 

@@ -118,7 +118,8 @@ def moe_model(backend: str, dtype: torch.dtype) -> nn.Module:
 
 @pytest.mark.parametrize("backend", GRAPH_SAFE_BACKENDS)
 def test_whole_moe_training_step_capture_matches_eager_loss_for_50_steps(backend):
-    dtype = torch.float32 if backend == "torch" else need(backend)
+    # bf16 for both: torch._grouped_mm's float32 path copies the offsets to the host (not capturable).
+    dtype = need(backend)
     model = moe_model(backend, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
     tokens = 256
