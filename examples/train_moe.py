@@ -309,7 +309,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default: cpu")
     parser.add_argument("--backend", default=None, choices=moe_grouped.backends.BACKENDS,
                         help="expert GEMM and permutation backend (default: the device's)")
-    parser.add_argument("--steps", type=int, default=200, help="train up to this step (default: 200)")
+    parser.add_argument("--steps", type=int, default=1500, help="train up to this step (default: 1500)")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dim", type=int, default=64)
@@ -320,7 +320,7 @@ def parse_args(argv=None):
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--log-every", type=int, default=250)
     parser.add_argument("--graphs", action="store_true",
                         help="capture forward + backward + optimizer step in one CUDA graph (cuda only)")
     parser.add_argument("--fp8", action="store_true", help="FP8 block-scaled experts (not yet supported)")
