@@ -12,7 +12,7 @@ Splits: balanced, and skewed (log-normal with some zero-token experts, fixed
 seed). Median of CUDA-event-timed runs with a 256 MB L2 flush before each.
 
     python benchmarks/grouped_gemm.py              # table + results/grouped_gemm-<gpu>.json
-    python benchmarks/grouped_gemm.py --tiles PATH # also every tile config of the cuda kernels
+    python benchmarks/grouped_gemm.py --tiles PATH # also wgrad into fp32 per tile config
 """
 
 from __future__ import annotations
@@ -40,10 +40,9 @@ SHAPES = [
 SPLITS = ("balanced", "skewed")
 OPS = ("fprop", "dgrad", "wgrad", "fwd_bwd")
 TILE_ENV = "MOE_GROUPED_GEMM_TILE"
-TILES = {
-    "fprop": ["coop_128x256x64_c2x1", "pong_128x128x64_c2x1", "pong_64x256x64_c1x2", "coop_128x128x64_c2x1"],
-    "dgrad": ["coop_128x256x64_c2x1", "pong_128x128x64_c2x1"],
-}
+# Tile configurations of the cuda kernels that --tiles times against each
+# other: wgrad accumulating into an fp32 main_grad has two.
+TILES = {"wgrad": ["coop_128x256x64_c2x1", "pong_128x128x64_c2x1"]}
 
 
 def make_splits(kind: str, num_experts: int, total: int, seed: int = 0) -> list[int]:
@@ -142,6 +141,21 @@ class Problem:
         return lambda: [p() for p in parts]
 
 
+def warm_up_clocks(seconds: float = 3.0) -> None:
+    """Runs matrix products until the GPU has left its idle clocks."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    elapsed = 0.0
+    while elapsed < seconds * 1000:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end)
+
+
 def shape_name(shape) -> str:
     return "E{}_M{}_K{}_N{}".format(*shape)
 
@@ -149,10 +163,11 @@ def shape_name(shape) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiles", type=pathlib.Path, help="also time every cuda tile config; JSON here")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=40)
     args = parser.parse_args()
     flush = L2Flush()
     rows, tile_rows = [], []
+    warm_up_clocks()
     for shape in SHAPES:
         for splits_kind in SPLITS:
             problem = Problem(shape, splits_kind)
@@ -164,10 +179,12 @@ def main() -> None:
                                  "splits": splits_kind, "backend": backend, "ms": round(ms, 5),
                                  "tflops": round(problem.flops(op) / ms / 1e9, 2)})
                 if args.tiles is not None and op in TILES:
+                    main_grad = torch.zeros(problem.dw.shape, device="cuda")
                     for tile in TILES[op]:
                         os.environ[TILE_ENV] = tile
-                        ms = time_ms(problem.cuda_op(op), repeats=args.repeats, flush=flush)
-                        tile_rows.append({"op": op, "shape": shape_name(shape), "splits": splits_kind,
+                        fn = lambda: problem.cuda.wgrad(problem.dy, problem.x, problem.m_splits, [main_grad], True)
+                        ms = time_ms(fn, repeats=args.repeats, flush=flush)
+                        tile_rows.append({"op": "wgrad_fp32_accumulate", "shape": shape_name(shape), "splits": splits_kind,
                                           "backend": f"cuda:{tile}", "ms": round(ms, 5),
                                           "tflops": round(problem.flops(op) / ms / 1e9, 2)})
                     os.environ.pop(TILE_ENV)

@@ -15,11 +15,9 @@ namespace moe_grouped::gemm {
 // grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
 // for all of them.
 enum class TileConfig : int {
-  kCoop128x256 = 0,  // cooperative, 128x256x64 tile, 2x1 cluster: large problems
-  kPong128x128 = 1,  // ping-pong, 128x128x64 tile, 2x1 cluster: short K, many groups
-  kPong64x256 = 2,   // ping-pong, 64x256x64 tile, 1x2 cluster: few tokens per expert
-  kCoop128x128 = 3,  // cooperative, 128x128x64 tile, 2x1 cluster
-  kCount = 4
+  kCoop128x256 = 0,  // cooperative, 128x256x64 tile, 2x1 cluster
+  kPong128x128 = 1,  // ping-pong, 128x128x64 tile, 2x1 cluster (wgrad into fp32 only)
+  kCount = 2
 };
 
 const char* tile_config_name(TileConfig config);

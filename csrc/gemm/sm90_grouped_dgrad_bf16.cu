@@ -9,10 +9,9 @@ constexpr auto kKind = MG_GEMM_DGRAD;
 constexpr auto kIn = MG_BFLOAT16;
 
 using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
-using Pong = GroupedGemm<kKind, kIn, kIn, TileConfig::kPong128x128>;
 using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
 
-const KernelEntry kEntries[] = {entry<Coop>(), entry<Pong>(), entry<CoopF32>()};
+const KernelEntry kEntries[] = {entry<Coop>(), entry<CoopF32>()};
 }  // namespace
 
 KernelList sm90_dgrad_bf16_kernels() {

@@ -10,13 +10,9 @@ constexpr auto kKind = MG_GEMM_FPROP;
 constexpr auto kIn = MG_BFLOAT16;
 
 using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
-using Pong = GroupedGemm<kKind, kIn, kIn, TileConfig::kPong128x128>;
-using Pong64 = GroupedGemm<kKind, kIn, kIn, TileConfig::kPong64x256>;
-using Coop128 = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x128>;
 using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
 
-const KernelEntry kEntries[] = {entry<Coop>(), entry<Pong>(), entry<Pong64>(), entry<Coop128>(),
-                                entry<CoopF32>()};
+const KernelEntry kEntries[] = {entry<Coop>(), entry<CoopF32>()};
 }  // namespace
 
 KernelList sm90_fprop_bf16_kernels() {

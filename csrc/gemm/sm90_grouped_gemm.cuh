@@ -75,21 +75,6 @@ struct TileTraits<TileConfig::kPong128x128> {
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
-template <>
-struct TileTraits<TileConfig::kPong64x256> {
-  using Tile = cute::Shape<_64, _256, _64>;
-  using Cluster = cute::Shape<_1, _2, _1>;
-  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-template <>
-struct TileTraits<TileConfig::kCoop128x128> {
-  using Tile = cute::Shape<_128, _128, _64>;
-  using Cluster = cute::Shape<_2, _1, _1>;
-  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>
