@@ -220,7 +220,7 @@ def test_gpu_capture_of_forward_and_backward_replays_new_routing():
             assert torch.equal(static_experts, layer.last_routing.experts), case
             assert torch.equal(static_counts, layer.last_routing.tokens_per_expert), case
             seen_counts.add(tuple(static_counts.tolist()))
-            assert calc_diff(static_out, out.detach()) < 1e-6, case
+            assert calc_diff(static_out.detach(), out.detach()) < 1e-6, case
             for i, (g_replay, g_eager) in enumerate(zip(static_grads, [x_eager.grad, *[p.grad for p in params]])):
                 assert calc_diff(g_replay, g_eager) < 1e-6, f"grad {i}: {case}"
         assert len(seen_counts) > 1, f"{backend=}: the routing never changed between replays"
