@@ -42,7 +42,7 @@ OPS = ("fprop", "dgrad", "wgrad", "fwd_bwd")
 TILE_ENV = "MOE_GROUPED_GEMM_TILE"
 # Tile configurations of the cuda kernels that --tiles times against each
 # other: wgrad accumulating into an fp32 main_grad has two.
-TILES = {"wgrad": ["coop_128x256x64_c2x1", "pong_128x128x64_c2x1"]}
+TILES = {"wgrad": ["coop_128x256x64_c2x1"]}
 
 
 def make_splits(kind: str, num_experts: int, total: int, seed: int = 0) -> list[int]:

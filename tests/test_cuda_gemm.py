@@ -109,19 +109,11 @@ def _wgrad_out(num_experts, n, k, dtype, layout, fill):
     return [stacked] if layout == "grouped" else [w.clone() for w in stacked.unbind(0)]
 
 
-# Debugging knob of the core: forces a tile configuration (falling back to
-# the cooperative one where the forced one is not built), so that both wgrad
-# kernels are checked whatever the heuristic picks for these shapes.
-WGRAD_TILES = ["coop_128x256x64_c2x1", "pong_128x128x64_c2x1"]
-
-
-@pytest.mark.parametrize("tile", WGRAD_TILES)
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("layout", ["grouped", "separate"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_wgrad(dtype, layout, shape, pattern, tile, monkeypatch):
-    monkeypatch.setenv("MOE_GROUPED_GEMM_TILE", tile)
+def test_wgrad(dtype, layout, shape, pattern):
     num_experts, total, k, n = shape
     splits, x, _ = _problem(shape, dtype, pattern, "grouped")
     m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")

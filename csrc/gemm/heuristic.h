@@ -13,11 +13,11 @@ namespace moe_grouped::gemm {
 // The configurations compiled into the core. Not every configuration exists
 // for every (kind, dtype, output dtype): the kernel table in
 // grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
-// for all of them.
+// for all of them. Ping-pong 128x128, ping-pong 64x256 and cooperative
+// 128x128 were built, measured and dropped (see heuristic.cpp).
 enum class TileConfig : int {
   kCoop128x256 = 0,  // cooperative, 128x256x64 tile, 2x1 cluster
-  kPong128x128 = 1,  // ping-pong, 128x128x64 tile, 2x1 cluster (wgrad into fp32 only)
-  kCount = 2
+  kCount = 1
 };
 
 const char* tile_config_name(TileConfig config);

@@ -68,13 +68,6 @@ struct TileTraits<TileConfig::kCoop128x256> {
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
-template <>
-struct TileTraits<TileConfig::kPong128x128> {
-  using Tile = cute::Shape<_128, _128, _64>;
-  using Cluster = cute::Shape<_2, _1, _1>;
-  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>

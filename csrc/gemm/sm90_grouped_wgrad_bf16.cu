@@ -9,10 +9,9 @@ constexpr auto kKind = MG_GEMM_WGRAD;
 constexpr auto kIn = MG_BFLOAT16;
 
 using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
-using PongF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kPong128x128>;
 using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
 
-const KernelEntry kEntries[] = {entry<CoopF32>(), entry<PongF32>(), entry<Coop>()};
+const KernelEntry kEntries[] = {entry<CoopF32>(), entry<Coop>()};
 }  // namespace
 
 KernelList sm90_wgrad_bf16_kernels() {
