@@ -17,7 +17,13 @@ from .common import end_offsets, expert_matrix, is_grouped_layout, offsets_with_
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _offs(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
+def _offs(m_splits: torch.Tensor, total_rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    if dtype == torch.float32 and m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
+        # torch._grouped_mm's float32 path copies the offsets to the host.
+        raise RuntimeError(
+            "backend 'torch' cannot be captured in float32 (torch._grouped_mm reads the offsets on "
+            "the host there); use bfloat16/float16 or backend='cuda'"
+        )
     return end_offsets(m_splits, total_rows).to(torch.int32)
 
 
@@ -36,7 +42,7 @@ def fprop(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     w = stacked(weights)
-    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0]))
+    y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0], x.dtype))
     if bias is not None:
         y = y + bias.index_select(0, _group_of_rows(m_splits, x.shape[0], x.device))
     return y.to(out_dtype)
@@ -45,7 +51,7 @@ def fprop(
 def dgrad(
     dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0]))
+    dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0], dy.dtype))
     return dx.to(out_dtype)
 
 
@@ -56,7 +62,7 @@ def wgrad(
     out: Sequence[torch.Tensor],
     accumulate: bool,
 ) -> None:
-    grads = torch._grouped_mm(dy.t(), x, offs=_offs(m_splits, dy.shape[0]))
+    grads = torch._grouped_mm(dy.t(), x, offs=_offs(m_splits, dy.shape[0], dy.dtype))
     # An expert with no tokens has a zero gradient; do not rely on the kernel
     # writing it (the reduction over its rows is empty).
     empty = (m_splits <= 0).view(-1, 1, 1)
