@@ -134,10 +134,10 @@ def capture_step(
         finish_capture(graph)
     outputs, output_spec = pytree.tree_flatten(result)
     for position, leaf in enumerate(outputs):
-        if not isinstance(leaf, torch.Tensor):
+        if leaf is not None and not isinstance(leaf, torch.Tensor):
             raise TypeError(
                 f"the captured step returned a {type(leaf).__name__} as output {position}; return "
-                "tensors (a graph cannot recompute a Python value)"
+                "tensors or None (a graph cannot recompute a Python value)"
             )
     return StepGraph(graph, names, spec, list(leaves), outputs, output_spec)
 

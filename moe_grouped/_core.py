@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIBRARY_ENV = "MOE_GROUPED_CORE_LIB"
 
 # mg_status
@@ -117,6 +117,16 @@ class QuantizeConfig(ctypes.Structure):
     ]
 
 
+class Fp8Operand(ctypes.Structure):
+    """``mg_fp8_operand``: fp8 data, its float32 block scales, its fp8 dtype."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("scale_inv", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+    ]
+
+
 _vp = ctypes.c_void_p
 _PROTOTYPES = {
     "mg_last_error": (ctypes.c_char_p, []),
@@ -166,13 +176,46 @@ _PROTOTYPES = {
     "mg_quantize_columnwise_grouped_1x128": (
         ctypes.c_int,
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
-         QuantizeConfig, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
+         QuantizeConfig, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
+    ),
+    "mg_quantize_rowwise_columnwise_grouped_1x128": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
+         QuantizeConfig, _vp, _vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
+    ),
+    "mg_quantize_weight_128x128": (
+        ctypes.c_int,
+        [GroupOperand, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, QuantizeConfig,
+         _vp, _vp, _vp, _vp, _vp],
+    ),
+    # FP8 block-scaled grouped GEMMs: present only when built with csrc/fp8_gemm.
+    "mg_grouped_fp8_workspace_size": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "mg_grouped_fp8_fprop": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), Fp8Operand, Fp8Operand, _vp, _vp, _vp],
+    ),
+    "mg_grouped_fp8_dgrad": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), Fp8Operand, Fp8Operand, _vp, _vp],
+    ),
+    "mg_grouped_fp8_wgrad": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), Fp8Operand, Fp8Operand, GroupOperand, ctypes.c_int,
+         ctypes.c_int, _vp],
     ),
     # Token permutation: present only when the core was built with csrc/permute.
     "mg_permute_index": (
         ctypes.c_int,
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, _vp, ctypes.c_int,
          ctypes.c_int, _vp],
+    ),
+    "mg_permute_index_capacity": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, ctypes.c_int64, ctypes.c_int,
+         _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
     ),
     "mg_permute_rows": (
         ctypes.c_int,

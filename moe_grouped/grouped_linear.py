@@ -9,6 +9,7 @@ home: ``m_splits`` (tokens per expert), ``fuse_wgrad_accumulation`` into
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -18,6 +19,7 @@ from torch import nn
 
 from . import _checks, backends
 from .fp8 import get_fp8_recipe
+from .fp8 import linear as fp8_linear
 from .ops import check_backend_dtype
 from .ops.common import num_groups_of
 
@@ -56,7 +58,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
         param_grads = [None] * len(params)
         if any(ctx.needs_input_grad[4:]):
             if spec.delay_wgrad_compute:
-                ctx.delayed.append((spec, dy, x, m_splits, weights, biases))
+                ctx.delayed.append(
+                    ([*weights, *biases], lambda: _param_grads(spec, dy, x, m_splits, weights, biases))
+                )
             else:
                 param_grads = _param_grads(spec, dy, x, m_splits, weights, biases)
         return (dx, None, None, None, *param_grads)
@@ -113,6 +117,21 @@ def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases) -> list[Optional
         dbias = torch.ops.moe_grouped.grouped_dbias(dy, m_splits, num_groups_of(weights), dy.dtype, spec.backend)
         bias_grads = [dbias] if len(biases) == 1 and biases[0].dim() == 2 else list(dbias.unbind(0))
     return [*weight_grads, *bias_grads]
+
+
+def _fp8_param_grads(spec: _Spec, weights, biases, dyt, xt, dbias, m_splits, total_rows) -> list:
+    """Parameter gradients of the FP8 path, in parameter order (see _param_grads)."""
+    if spec.fuse_wgrad_accumulation:
+        fp8_linear.wgrad_into(dyt, xt, m_splits, total_rows, _main_grads(weights), accumulate=True, backend=spec.backend)
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
+        weight_grads = [None] * len(weights)
+    else:
+        w = weights[0]
+        grads = torch.empty(num_groups_of(weights), *w.shape[-2:], dtype=w.dtype, device=w.device)
+        fp8_linear.wgrad_into(dyt, xt, m_splits, total_rows, [grads], accumulate=False, backend=spec.backend)
+        weight_grads = [grads] if w.dim() == 3 else list(grads.unbind(0))
+    return [*weight_grads, *fp8_linear.bias_grads(dbias, biases)]
 
 
 class GroupedLinear(nn.Module):
@@ -204,12 +223,6 @@ class GroupedLinear(nn.Module):
             nn.init.uniform_(bias, -bound, bound)
 
     def forward(self, x: torch.Tensor, m_splits: _checks.SplitsLike) -> torch.Tensor:
-        if get_fp8_recipe() is not None:
-            # Never fall back to bf16 silently inside an FP8 region.
-            raise NotImplementedError(
-                "GroupedLinear has no FP8 block-scaling GEMMs yet; run it outside "
-                "moe_grouped.fp8.fp8_autocast (or with enabled=False)"
-            )
         _checks.check_tensor("x", x, dim=2)
         weights = self.weights()
         first = weights[0]
@@ -222,7 +235,12 @@ class GroupedLinear(nn.Module):
         _checks.check_same_device("the layer's parameters", first, x=x)
         splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
         backend = backends.resolve(self.backend, x.device)
-        check_backend_dtype(backend, x.dtype)
+        recipe = get_fp8_recipe()
+        if recipe is None:
+            check_backend_dtype(backend, x.dtype)
+        else:
+            # Never fall back to bf16 silently inside an FP8 region.
+            fp8_linear.check_supported(backend, x, self.out_features, self.in_features)
         spec = _Spec(
             backend=backend,
             num_weights=len(weights),
@@ -230,7 +248,11 @@ class GroupedLinear(nn.Module):
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             delay_wgrad_compute=self.delay_wgrad_compute,
         )
-        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *weights, *self.biases())
+        params = (*weights, *self.biases())
+        if recipe is not None:
+            grads_for = functools.partial(_fp8_param_grads, spec, weights, self.biases())
+            return fp8_linear.Fp8GroupedLinearFunction.apply(x, splits, spec, recipe, self._delayed, grads_for, *params)
+        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params)
 
     def backward_dw(self) -> None:
         """Computes the parameter gradients that backward deferred.
@@ -243,9 +265,8 @@ class GroupedLinear(nn.Module):
             raise RuntimeError("backward_dw() is only for layers built with delay_wgrad_compute=True")
         if not self._delayed:
             raise RuntimeError("backward_dw() called with no deferred weight gradient; run backward first")
-        spec, dy, x, m_splits, weights, biases = self._delayed.popleft()
-        grads = _param_grads(spec, dy, x, m_splits, weights, biases)
-        for param, grad in zip([*weights, *biases], grads):
+        params, compute = self._delayed.popleft()
+        for param, grad in zip(params, compute()):
             if grad is None:
                 continue
             if param.grad is None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .mlp import GroupedMLP, SwiGLUMLP
-from .permute import permute, unpermute
+from .permute import DROP_POLICIES, _check_capacity_factor, permute, unpermute
 from .router import Router, RoutingOutput
 
 
@@ -56,6 +56,16 @@ class MoELayer(nn.Module):
             ``score_function``, ``normalize_topk``, ``expert_bias``, ``n_group``).
         shared_expert_ffn_hidden: width of a dense SwiGLU shared expert, or None.
         aux_loss_coeff, z_loss_coeff: weights of the router losses.
+        capacity_factor: None (default): every copy reaches its expert
+            (dropless). A number >= 0: token dropping as in Megatron, each
+            expert takes at most ``ceil(T * top_k / E * capacity_factor)``
+            copies per forward; dropped copies add 0 to the output (the
+            shared expert and the residual still see the token). See
+            :func:`moe_grouped.permute`.
+        drop_policy: which copies an over-full expert keeps: ``"probs"``
+            (highest routing weight) or ``"position"`` (first in token order).
+        pad_to_capacity: pad every expert to exactly ``capacity`` rows, so
+            the expert GEMMs see the fixed split ``[capacity] * E``.
         bias, single_grouped_weight, fuse_wgrad_accumulation,
         delay_wgrad_compute, dtype, device: passed to :class:`GroupedMLP`.
         backend: for the expert GEMMs and the permutation: ``"cuda"``,
@@ -73,6 +83,9 @@ class MoELayer(nn.Module):
         shared_expert_ffn_hidden: Optional[int] = None,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
+        capacity_factor: Optional[float] = None,
+        drop_policy: str = "probs",
+        pad_to_capacity: bool = False,
         bias: bool = False,
         single_grouped_weight: bool = False,
         fuse_wgrad_accumulation: bool = False,
@@ -85,7 +98,15 @@ class MoELayer(nn.Module):
         for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+        if capacity_factor is not None:
+            _check_capacity_factor(capacity_factor)
+        elif pad_to_capacity:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
+        self.pad_to_capacity = bool(pad_to_capacity)
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.backend = backend
         self.router = Router(hidden, num_experts, top_k, dtype=dtype, device=device, **(router_options or {}))
@@ -108,7 +129,11 @@ class MoELayer(nn.Module):
             )
         tokens = x.reshape(-1, self.hidden).contiguous()
         routing = self.router(tokens)
-        permuted, m_splits, row_id_map = permute(tokens, routing.experts, self.num_experts, backend=self.backend)
+        permuted, m_splits, row_id_map = permute(
+            tokens, routing.experts, self.num_experts, probs=routing.weights.detach(),
+            capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+            pad_to_capacity=self.pad_to_capacity, backend=self.backend,
+        )
         expert_out = self.experts(permuted, m_splits)
         out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
         if self.shared_expert is not None:
@@ -124,6 +149,11 @@ class MoELayer(nn.Module):
         self.experts.backward_dw()
 
     def extra_repr(self) -> str:
+        capacity = (
+            f", capacity_factor={self.capacity_factor}, drop_policy={self.drop_policy!r}, "
+            f"pad_to_capacity={self.pad_to_capacity}" if self.capacity_factor is not None else ""
+        )
         return (
-            f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}, backend={self.backend}"
+            f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}{capacity}, "
+            f"backend={self.backend}"
         )

@@ -7,20 +7,33 @@ order — and returns the tokens per expert as a device tensor, so the expert
 GEMMs and everything after them need no host sync. ``unpermute`` sums each
 token's copies back, weighted by the routing weights.
 
+With a ``capacity_factor`` (Megatron's token dropping), each expert takes at
+most ``capacity = ceil(T * top_k / E * capacity_factor)`` copies; the others
+are dropped — their ``row_id_map`` entry is -1 and they add 0 to the combine.
+Which copies an expert keeps: those with the highest routing probability
+(``drop_policy="probs"``) or the first in token order (``"position"``). The
+buffer keeps a static size: ``min(T * top_k, E * capacity)`` rows, or exactly
+``E * capacity`` with ``pad_to_capacity=True`` (expert e's rows start at
+``e * capacity``, padding rows are zero, ``m_splits`` is ``capacity`` for
+every expert). Everything stays on the device and can be captured.
+
 Both are differentiable: the gradient of ``permute`` sums each token's copies
 (an unweighted unpermute), the gradient of ``unpermute`` scatters the weighted
 output gradient back to the copies and gives the weights the dot products of
-the copies with it.
+the copies with it. Dropped copies get zero gradient.
 
 Backends: ``reference`` (loops; reads the routing on the host), ``torch``
 (stable argsort and index ops; graph-safe), ``cuda`` (the core's kernels;
-graph-safe). Default: ``cuda`` on Hopper with the core built with its
-permute kernels, ``torch`` on other GPUs, ``reference`` on the CPU.
+graph-safe; up to 4096 experts). Default: ``cuda`` on Hopper with the core
+built with its permute kernels, ``torch`` on other GPUs, ``reference`` on the
+CPU.
 """
 
 from __future__ import annotations
 
 from typing import Optional
+
+import math
 
 import torch
 
@@ -28,6 +41,8 @@ from . import _checks, _core
 from ._permute.library import backend_module  # registers the torch.ops.moe_grouped permute ops
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+DROP_POLICIES = ("probs", "position")
+CUDA_MAX_EXPERTS = 4096  # the cuda index kernels' limit (csrc/permute/permute.cu)
 
 
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
@@ -66,24 +81,81 @@ def _check_dtype(backend: str, dtype: torch.dtype) -> None:
         raise TypeError(f"backend {backend!r} permutes dtypes ({names}), got {dtype}")
 
 
+def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """Copies one expert may take: ``ceil(num_tokens * top_k / num_experts * capacity_factor)``.
+
+    Megatron's ``get_capacity`` with ``num_tokens * top_k`` token copies (the
+    same float arithmetic, so the same capacity).
+    """
+    for name, value in (("num_tokens", num_tokens), ("top_k", top_k), ("num_experts", num_experts)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if num_experts == 0:
+        raise ValueError("num_experts must be positive, got 0")
+    _check_capacity_factor(capacity_factor)
+    return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
+
+
+def _check_capacity_factor(capacity_factor) -> None:
+    if (
+        not isinstance(capacity_factor, (int, float))
+        or isinstance(capacity_factor, bool)
+        or not math.isfinite(capacity_factor)
+        or capacity_factor < 0
+    ):
+        raise ValueError(f"capacity_factor must be a finite number >= 0 or None, got {capacity_factor!r}")
+
+
+def permuted_rows(
+    num_tokens: int, top_k: int, num_experts: int, capacity: Optional[int], pad_to_capacity: bool = False
+) -> int:
+    """Rows of :func:`permute`'s buffer: static, known from the shapes alone."""
+    copies = num_tokens * top_k
+    if capacity is None:
+        return copies
+    return num_experts * capacity if pad_to_capacity else min(copies, num_experts * capacity)
+
+
 def permute(
-    tokens: torch.Tensor, experts: torch.Tensor, num_experts: int, *, backend: Optional[str] = None
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    *,
+    probs: Optional[torch.Tensor] = None,
+    capacity_factor: Optional[float] = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+    backend: Optional[str] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sorts the token copies by expert.
+    """Sorts the token copies by expert, optionally dropping those past each expert's capacity.
 
     Args:
         tokens: [T, H] float tensor.
         experts: [T, top_k] int32/int64 expert indices in [0, num_experts)
             (e.g. :attr:`moe_grouped.RoutingOutput.experts`).
         num_experts: E.
+        probs: [T, top_k] routing probabilities of the chosen experts (e.g.
+            :attr:`moe_grouped.RoutingOutput.weights`); needed only to drop by
+            probability. Not differentiated through.
+        capacity_factor: None (default): no dropping. A number >= 0: each
+            expert keeps at most :func:`expert_capacity` copies.
+        drop_policy: with a capacity: ``"probs"`` keeps each expert's copies
+            with the highest ``probs`` (ties: lower token first), ``"position"``
+            its first copies in token order.
+        pad_to_capacity: with a capacity: give every expert exactly
+            ``capacity`` rows (zero padding), so the buffer has
+            ``E * capacity`` rows and ``m_splits`` is ``capacity`` everywhere.
         backend: ``"reference"``, ``"torch"``, ``"cuda"`` or None (default).
 
     Returns:
-        ``(permuted, m_splits, row_id_map)``: ``permuted`` [T * top_k, H] with
-        expert 0's copies first (in token order), then expert 1's, ...;
-        ``m_splits`` [E] int64 copies per expert, on the device;
-        ``row_id_map`` [T * top_k] int64, the row of copy ``t * top_k + j`` in
-        ``permuted`` (pass it to :func:`unpermute`).
+        ``(permuted, m_splits, row_id_map)``: ``permuted`` [R, H] with expert
+        0's copies first (in token order), then expert 1's, ..., where
+        R = :func:`permuted_rows` (T * top_k without a capacity); rows no copy
+        maps to are zero. ``m_splits`` [E] int64 rows per expert, on the
+        device (without padding they sum to the kept copies, which may be
+        fewer than R: the rows past them belong to no expert).
+        ``row_id_map`` [T * top_k] int64, the row of copy ``t * top_k + j``
+        in ``permuted``, -1 if it was dropped (pass it to :func:`unpermute`).
     """
     _checks.check_tensor("tokens", tokens, dim=2)
     if not isinstance(experts, torch.Tensor):
@@ -97,13 +169,42 @@ def permute(
         raise ValueError("experts must hold at least one choice per token (top_k >= 1), got top_k=0")
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    _checks.check_same_device("tokens", tokens, experts=experts)
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    num_tokens, top_k = experts.shape
+    capacity = None
+    if capacity_factor is not None:
+        capacity = expert_capacity(num_tokens, top_k, num_experts, capacity_factor)
+        if drop_policy == "probs":
+            if probs is None:
+                raise ValueError(
+                    "drop_policy='probs' needs probs, the [tokens, top_k] routing probabilities of the "
+                    "chosen experts (RoutingOutput.weights); pass them or use drop_policy='position'"
+                )
+            _checks.check_tensor("probs", probs, dim=2)
+            if tuple(probs.shape) != tuple(experts.shape):
+                raise ValueError(
+                    f"probs must have experts' shape {tuple(experts.shape)}, got {tuple(probs.shape)}"
+                )
+    elif pad_to_capacity:
+        raise ValueError("pad_to_capacity=True needs a capacity_factor")
+    _checks.check_same_device("tokens", tokens, experts=experts, probs=probs)
     name = resolve_backend(backend, tokens.device)
     _check_dtype(name, tokens.dtype)
+    if name == "cuda" and num_experts > CUDA_MAX_EXPERTS:
+        raise ValueError(
+            f"the cuda permute kernels handle at most {CUDA_MAX_EXPERTS} experts, got num_experts="
+            f"{num_experts}; use backend='torch'"
+        )
     experts = experts.contiguous()
-    top_k = experts.shape[1]
-    row_id_map, m_splits = torch.ops.moe_grouped.permute_index(experts, num_experts, name)
-    permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, top_k, name)
+    by_probs = capacity is not None and drop_policy == "probs"
+    priority = probs.detach().to(torch.float32).contiguous() if by_probs else None
+    row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+        experts, priority, num_experts, -1 if capacity is None else capacity, bool(pad_to_capacity), name
+    )
+    rows = permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
+    # Dropless, row_id_map is a permutation: every row gets a copy, none needs zeroing.
+    permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, top_k, rows, capacity is not None, name)
     return permuted, m_splits, row_id_map
 
 
@@ -117,9 +218,11 @@ def unpermute(
 ) -> torch.Tensor:
     """Combines the copies back per token: ``out[t] = sum_j weights[t, j] * permuted[row_id_map[t*k + j]]``.
 
+    Copies with ``row_id_map`` -1 (dropped) add nothing.
+
     Args:
-        permuted: [T * top_k, H] rows in :func:`permute`'s order (e.g. the
-            experts' outputs).
+        permuted: [R, H] rows in :func:`permute`'s order (e.g. the experts'
+            outputs).
         row_id_map: [T * top_k] int64 from :func:`permute`.
         weights: [T, top_k] routing weights, float32 or ``permuted``'s dtype;
             None sums the copies unweighted (then ``top_k`` is required).
@@ -133,10 +236,10 @@ def unpermute(
     _checks.check_tensor("permuted", permuted, dim=2)
     if not isinstance(row_id_map, torch.Tensor):
         raise TypeError(f"row_id_map must be a torch.Tensor, got {type(row_id_map).__name__}")
-    if row_id_map.dtype != torch.int64 or tuple(row_id_map.shape) != (permuted.shape[0],):
+    if row_id_map.dtype != torch.int64 or row_id_map.dim() != 1:
         raise ValueError(
-            f"row_id_map must be an int64 tensor of shape ({permuted.shape[0]},) (one entry per permuted "
-            f"row), got shape {tuple(row_id_map.shape)} and dtype {row_id_map.dtype}"
+            "row_id_map must be a 1-D int64 tensor (one entry per token copy, from permute), got shape "
+            f"{tuple(row_id_map.shape)} and dtype {row_id_map.dtype}"
         )
     if weights is not None:
         _checks.check_tensor("weights", weights, dim=2)
@@ -145,20 +248,28 @@ def unpermute(
         if top_k is not None and weights.shape[1] != top_k:
             raise ValueError(f"weights have {weights.shape[1]} choices per token but top_k={top_k}")
         top_k = weights.shape[1]
-        if weights.shape[0] * top_k != permuted.shape[0]:
+        copies = weights.shape[0] * top_k
+        if row_id_map.shape[0] != copies:
             raise ValueError(
-                f"weights of shape {tuple(weights.shape)} cover {weights.shape[0] * top_k} copies but "
-                f"permuted has {permuted.shape[0]} rows"
+                f"weights of shape {tuple(weights.shape)} cover {copies} copies but row_id_map has shape "
+                f"{tuple(row_id_map.shape)}; pass permute's row_id_map, of shape ({copies},)"
             )
-    elif not isinstance(top_k, int) or top_k <= 0 or permuted.shape[0] % top_k != 0:
+    elif not isinstance(top_k, int) or isinstance(top_k, bool) or top_k <= 0 or row_id_map.shape[0] % top_k:
         raise ValueError(
-            f"without weights, top_k must be a positive int dividing the {permuted.shape[0]} permuted "
-            f"rows, got {top_k!r}"
+            f"without weights, top_k must be a positive int dividing the {row_id_map.shape[0]} entries of "
+            f"row_id_map, got {top_k!r}"
         )
     _checks.check_same_device("permuted", permuted, row_id_map=row_id_map, weights=weights)
     name = resolve_backend(backend, permuted.device)
     _check_dtype(name, permuted.dtype)
-    return torch.ops.moe_grouped.unpermute_rows(permuted, row_id_map, weights, top_k, name)
+    return torch.ops.moe_grouped.unpermute_rows(permuted, row_id_map.contiguous(), weights, top_k, name)
 
 
-__all__ = ["permute", "unpermute", "resolve_backend", "cuda_unavailable_reason"]
+__all__ = [
+    "permute",
+    "unpermute",
+    "expert_capacity",
+    "permuted_rows",
+    "resolve_backend",
+    "cuda_unavailable_reason",
+]

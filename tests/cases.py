@@ -121,9 +121,10 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
     assert error / scale <= TOLERANCE[dtype], f"{case}: relative error {error / scale:.3e} > {TOLERANCE[dtype]:.0e}"
 
 
-def backends_for(device: str) -> list[str]:
-    """The backends to check on ``device``: cuda only where it can run."""
+def backends_for(device: str, dtype: torch.dtype = None) -> list[str]:
+    """The backends to check on ``device`` (in ``dtype``): cuda only where it can run."""
     names = ["reference", "torch"]
     if device == "cuda" and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
+        if dtype is None or dtype in moe_grouped.ops.cuda_backend.SUPPORTED_DTYPES:
+            names.append("cuda")
     return names

@@ -79,19 +79,152 @@ def test_weight_tiles(shape, pow2):
     assert relative < 0.04
 
 
-def test_grouped_columnwise_restarts_blocks_at_group_boundaries():
+AWKWARD_SPLITS = [219, 2246, 5, 8103, 1, 1117, 4693, 0]
+
+
+def test_columnwise_layout_sizes_hold_every_split():
+    assert fp8.columnwise_padded_rows(300, 4) == 304 + 64
+    assert fp8.columnwise_scale_rows(300, 4) == 3 + 4
+    assert fp8.columnwise_group_starts([130, 0, 5, 300]) == [(0, 0), (144, 2), (144, 2), (160, 3)]
+    gen = torch.Generator().manual_seed(0)
+    cases = [AWKWARD_SPLITS, [0] * 7 + [1], [1] * 9, [16] * 4, [17, 15, 128, 129]]
+    cases += [torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()
+              for _ in range(200)]
+    for splits in cases:
+        rows, num_groups = sum(splits), len(splits)
+        for count, (padded, block) in zip(splits, fp8.columnwise_group_starts(splits)):
+            assert padded % fp8.COLUMNWISE_ALIGN == 0, splits
+            assert padded + count <= fp8.columnwise_padded_rows(rows, num_groups), splits
+            assert block + -(-count // BLOCK) <= fp8.columnwise_scale_rows(rows, num_groups), splits
+
+
+@pytest.mark.parametrize("splits", [[130, 0, 5, 300], [1, 0, 17, 128, 129, 15], [0, 0, 77], [64]], ids=str)
+def test_grouped_columnwise_packs_each_group_at_its_start(splits):
     torch.manual_seed(1)
-    splits = [130, 0, 5, 300]
-    x = torch.randn(sum(splits), 64)
-    groups = fp8.quantize_grouped_columnwise(x, splits, E4M3, pow2_scales=True)
-    assert [tuple(g.data.shape) for g in groups] == [(64, 130), (64, 0), (64, 5), (64, 300)]
-    assert [tuple(g.scale_inv.shape) for g in groups] == [(64, 2), (64, 0), (64, 1), (64, 3)]
+    cols = 72
+    x = torch.randn(sum(splits), cols) * torch.logspace(-2, 2, sum(splits)).unsqueeze(1)
+    q = fp8.quantize_grouped_columnwise(x, splits, E4M3, pow2_scales=True)
+    rows, num_groups = sum(splits), len(splits)
+    assert q.data.shape == (cols, fp8.columnwise_padded_rows(rows, num_groups)) and q.data.dtype == E4M3
+    assert q.scale_inv.shape == (fp8.columnwise_scale_rows(rows, num_groups), cols)
+    owned_data = torch.zeros(q.data.shape[1], dtype=torch.bool)
+    owned_scales = torch.zeros(q.scale_inv.shape[0], dtype=torch.bool)
     start = 0
-    for count, g in zip(splits, groups):
+    for count, (padded, block), group in zip(splits, fp8.columnwise_group_starts(splits), fp8.columnwise_groups(q, splits)):
+        want = fp8.quantize_1x128(x[start : start + count].t(), E4M3, pow2_scales=True)
+        blocks = -(-count // BLOCK)
+        assert torch.equal(q.data[:, padded : padded + count].view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(q.scale_inv[block : block + blocks], want.scale_inv.t())  # [blocks, K], K fastest
+        assert torch.equal(group.data.view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(group.scale_inv, want.scale_inv)
         if count:
             original = x[start : start + count].t()
-            assert (fp8.dequantize_1x128(g) - original).norm() / original.norm() < 0.04
+            assert (fp8.dequantize_1x128(group) - original).norm() / original.norm() < 0.04
+        owned_data[padded : padded + count] = True
+        owned_scales[block : block + blocks] = True
         start += count
+    assert (q.data[:, ~owned_data].view(torch.uint8) == 0).all()
+    assert (q.scale_inv[~owned_scales] == 0).all()
+
+
+def test_grouped_columnwise_refuses_splits_that_do_not_cover_the_rows():
+    with pytest.raises(ValueError, match="sum to the 10 rows"):
+        fp8.quantize_grouped_columnwise(torch.randn(10, 8), [4, 4], E4M3, True)
+
+
+def _column_sums_in_documented_order(x, splits):
+    """The dbias order of the header, one float32 scalar add at a time."""
+    out = torch.zeros(len(splits), x.shape[1])
+    start = 0
+    zero = torch.tensor(0.0)
+    for e, count in enumerate(splits):
+        for c in range(x.shape[1]):
+            block_sums = []
+            for b in range(-(-count // BLOCK)):
+                segments = []
+                for s in range(8):
+                    acc = zero
+                    for i in range(16):
+                        t = b * BLOCK + s * 16 + i
+                        acc = acc + (x[start + t, c] if t < count else zero)
+                    segments.append(acc)
+                s = segments
+                block_sums.append(((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])))
+            lanes = [zero] * 8
+            for j, value in enumerate(block_sums):
+                lanes[j % 8] = lanes[j % 8] + value
+            total = zero
+            for value in lanes:
+                total = total + value
+            out[e, c] = total
+        start += count
+    return out
+
+
+def test_grouped_column_sums_follow_the_documented_order():
+    torch.manual_seed(2)
+    splits = [300, 0, 1, 1100, 17]
+    x = torch.randn(sum(splits), 3) * 1e3
+    x[5] = 1e7  # large terms make the order visible in the low bits
+    got = fp8.grouped_column_sums(x, splits)
+    assert got.dtype == torch.float32 and got.shape == (5, 3)
+    assert torch.equal(got, _column_sums_in_documented_order(x, splits))
+    assert torch.equal(got[1], torch.zeros(3)), "an empty group sums to zero"
+    want = torch.stack([x[a:b].double().sum(0) for a, b in [(0, 300), (300, 300), (300, 301), (301, 1401), (1401, 1418)]])
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-2)
+
+
+def test_quantize_grouped_1x128_is_the_three_references():
+    torch.manual_seed(3)
+    splits = [5, 0, 250]
+    x = torch.randn(255, 130, dtype=torch.bfloat16)
+    out = fp8.quantize_grouped_1x128(x, splits, E5M2, False, 1e-3, rowwise=True, dbias=True)
+    rowwise = fp8.quantize_1x128(x, E5M2, False, 1e-3)
+    columnwise = fp8.quantize_grouped_columnwise(x, splits, E5M2, False, 1e-3)
+    assert torch.equal(out.rowwise.data.view(torch.uint8), rowwise.data.view(torch.uint8))
+    assert torch.equal(out.rowwise.scale_inv, rowwise.scale_inv)
+    assert torch.equal(out.columnwise.data.view(torch.uint8), columnwise.data.view(torch.uint8))
+    assert torch.equal(out.columnwise.scale_inv, columnwise.scale_inv)
+    assert torch.equal(out.dbias, fp8.grouped_column_sums(x, splits))
+    bare = fp8.quantize_grouped_1x128(x, splits, E5M2, False, 1e-3, rowwise=False)
+    assert bare.rowwise is None and bare.dbias is None
+
+
+def test_cpu_wrappers_fall_back_to_the_references():
+    torch.manual_seed(4)
+    splits = [3, 0, 200]
+    x = torch.randn(203, 64)
+    got = fp8.quantize_grouped(x, torch.tensor(splits), E4M3, dbias=True)
+    want = fp8.quantize_grouped_1x128(x, splits, E4M3, True, dbias=True)
+    assert torch.equal(got.rowwise.data.view(torch.uint8), want.rowwise.data.view(torch.uint8))
+    assert torch.equal(got.columnwise.data.view(torch.uint8), want.columnwise.data.view(torch.uint8))
+    assert torch.equal(got.dbias, want.dbias)
+    columnwise = fp8.quantize_columnwise_grouped(x, splits, E4M3)
+    assert torch.equal(columnwise.scale_inv, want.columnwise.scale_inv)
+    with pytest.raises(ValueError, match="must sum"):
+        fp8.quantize_grouped(x, [3, 3, 3], E4M3)
+
+
+@pytest.mark.parametrize("shape", [(3, 256, 384), (2, 130, 200), (1, 5, 300)])
+def test_grouped_weight_blocks_and_their_transpose(shape):
+    torch.manual_seed(5)
+    w = torch.randn(*shape)
+    w[0, :5, :5] *= 100
+    grouped = fp8.quantize_grouped_128x128(w, E4M3, pow2_scales=True)
+    separate = fp8.quantize_grouped_128x128(list(w.unbind(0)), E4M3, pow2_scales=True)
+    tiles = (-(-shape[1] // BLOCK), -(-shape[2] // BLOCK))
+    assert grouped.w.data.shape == shape and grouped.w.scale_inv.shape == (shape[0], *tiles)
+    assert grouped.wt.data.shape == (shape[0], shape[2], shape[1])
+    assert grouped.wt.scale_inv.shape == (shape[0], tiles[1], tiles[0])
+    for e in range(shape[0]):
+        want = fp8.quantize_128x128(w[e], E4M3, pow2_scales=True)
+        assert torch.equal(grouped.w.data[e].view(torch.uint8), want.data.view(torch.uint8))
+        assert torch.equal(grouped.w.scale_inv[e], want.scale_inv)
+        assert torch.equal(grouped.wt.data[e].view(torch.uint8), want.data.t().view(torch.uint8))
+        assert torch.equal(grouped.wt.scale_inv[e], want.scale_inv.t())
+    assert torch.equal(separate.w.data.view(torch.uint8), grouped.w.data.view(torch.uint8))
+    cpu = fp8.quantize_weights_128x128(w, E4M3, transpose=False)
+    assert cpu.wt is None and torch.equal(cpu.w.scale_inv, grouped.w.scale_inv)
 
 
 def test_recipe_formats_and_validation():
@@ -118,15 +251,3 @@ def test_autocast_nests_and_restores():
     with pytest.raises(TypeError, match="Float8BlockScaling"):
         with fp8.fp8_autocast("deepseek"):
             pass
-
-
-def test_grouped_linear_refuses_fp8_rather_than_running_bf16():
-    from moe_grouped import GroupedLinear
-
-    layer = GroupedLinear(2, 128, 128, backend="reference")
-    x = torch.randn(4, 128)
-    with fp8.fp8_autocast(fp8.Float8BlockScaling()):
-        with pytest.raises(NotImplementedError, match="no FP8 block-scaling GEMMs yet"):
-            layer(x, [2, 2])
-        with fp8.fp8_autocast(enabled=False):
-            assert layer(x, [2, 2]).shape == (4, 128)

@@ -236,3 +236,22 @@ def test_capture_step_replays_an_mlp_training_step_like_eager():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match=r"args\[0\] has shape \(16, 64\)"):
         captured(x[:16], target)
+
+
+def test_capture_step_takes_a_step_that_returns_nothing():
+    """A step that only updates state (returns None) replays; a Python value as output is refused."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64, device="cuda")
+
+    def step(x):
+        model.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        optimizer.step()
+
+    captured = graphs.capture_step(step, x)
+    before = model[0].weight.detach().clone()
+    assert captured(torch.randn_like(x)) is None
+    assert not torch.equal(before, model[0].weight)
+    with pytest.raises(TypeError, match="returned a float as output 0"):
+        graphs.capture_step(lambda x: 1.0, x)

@@ -41,7 +41,7 @@ def weight_grads(layer, attr="grad"):
 def test_forward_backward_matches_oracle(device, single_grouped_weight, pattern, dtype):
     num_experts, total, k, n = 5, 80, 32, 24
     splits = make_splits(pattern, num_experts, total, seed=2)
-    for backend in backends_for(device):
+    for backend in backends_for(device, dtype):
         torch.manual_seed(0)
         layer = GroupedLinear(
             num_experts, k, n, bias=True, single_grouped_weight=single_grouped_weight,
@@ -100,7 +100,7 @@ def test_fuse_wgrad_accumulation_without_main_grad_says_what_to_allocate():
 def test_delay_wgrad_compute_defers_parameter_grads_to_backward_dw(device, fuse):
     num_experts, total, k, n = 3, 30, 16, 8
     splits = [10, 0, 20]
-    for backend in backends_for(device):
+    for backend in backends_for(device, torch.float32):
         layer = GroupedLinear(
             num_experts, k, n, single_grouped_weight=True, delay_wgrad_compute=True,
             fuse_wgrad_accumulation=fuse, device=device, backend=backend,

@@ -1,5 +1,7 @@
 """MoELayer and GroupedMLP against a per-token loop reference; capture and replay."""
 
+import math
+
 import pytest
 import torch
 from torch.nn.functional import silu
@@ -10,11 +12,13 @@ from moe_grouped import GroupedMLP, MoELayer
 from cases import calc_diff
 
 
-def reference(layer, x, experts, dout, aux_coeff, z_coeff):
+def reference(layer, x, experts, dout, aux_coeff, z_coeff, kept=None):
     """Per-token loops in float64 with autograd, routing choices given.
 
-    Returns the output and the gradients of ``(out * dout).sum() +
-    aux_coeff * aux + z_coeff * z`` w.r.t. x and every parameter (by name).
+    ``kept`` [T, top_k] bool marks the copies that reach their expert (token
+    dropping); None: all of them. Returns the output and the gradients of
+    ``(out * dout).sum() + aux_coeff * aux + z_coeff * z`` w.r.t. x and every
+    parameter (by name).
     """
     params = {n: p.detach().double().cpu().requires_grad_(True) for n, p in layer.named_parameters()}
 
@@ -34,6 +38,8 @@ def reference(layer, x, experts, dout, aux_coeff, z_coeff):
         weights = chosen / chosen.sum()
         y = torch.zeros(layer.hidden, dtype=torch.float64)
         for j, e in enumerate(experts[t].tolist()):
+            if kept is not None and not kept[t, j]:
+                continue  # dropped: the expert never sees this copy
             h = w1[e] @ xs[t]
             y = y + weights[j] * (w2[e] @ (silu(h[:ffn]) * h[ffn:]))
         if layer.shared_expert is not None:
@@ -47,8 +53,27 @@ def reference(layer, x, experts, dout, aux_coeff, z_coeff):
     aux = layer.num_experts * (counts / (tokens * top_k) * torch.softmax(logits, -1).mean(0)).sum()
     z = torch.logsumexp(logits, -1).square().mean()
     loss = (out * dout.double().reshape(out.shape)).sum() + aux_coeff * aux + z_coeff * z
-    grads = torch.autograd.grad(loss, [xs, *params.values()])
+    inputs = [xs, *params.values()]
+    grads = torch.autograd.grad(loss, inputs, allow_unused=True)  # all copies dropped: experts unused
+    grads = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
     return out.detach(), aux.detach(), z.detach(), grads[0], dict(zip(params, grads[1:]))
+
+
+def kept_copies(layer, routing):
+    """[T, top_k] bool: the copies the layer's capacity keeps (per-expert loops), or None."""
+    if layer.capacity_factor is None:
+        return None
+    experts, probs = routing.experts.cpu().tolist(), routing.weights.float().cpu().tolist()
+    tokens = len(experts)
+    capacity = math.ceil(tokens * layer.top_k / layer.num_experts * layer.capacity_factor)
+    kept = torch.zeros(tokens, layer.top_k, dtype=torch.bool)
+    for e in range(layer.num_experts):
+        mine = [(t, j) for t in range(tokens) for j in range(layer.top_k) if experts[t][j] == e]
+        if layer.drop_policy == "probs":
+            mine.sort(key=lambda c: (-probs[c[0]][c[1]], c))
+        for t, j in mine[:capacity]:
+            kept[t, j] = True
+    return kept
 
 
 def check_layer(layer, x, aux_coeff, z_coeff, tolerance, case):
@@ -58,7 +83,7 @@ def check_layer(layer, x, aux_coeff, z_coeff, tolerance, case):
     out.backward(dout)
     routing = layer.last_routing
     exp_out, exp_aux, exp_z, exp_dx, exp_grads = reference(
-        layer, x, routing.experts.cpu(), dout.cpu(), aux_coeff, z_coeff
+        layer, x, routing.experts.cpu(), dout.cpu(), aux_coeff, z_coeff, kept_copies(layer, routing)
     )
     assert out.shape == x.shape, case
     assert calc_diff(out.detach().reshape(exp_out.shape), exp_out) < tolerance, f"output: {case}"
@@ -85,6 +110,35 @@ def test_layer_matches_per_token_loops_on_cpu(single_grouped_weight, shared, top
     # The layer chose the top-k experts of its own float64 probabilities.
     logits = x.reshape(-1, 12) @ layer.router.weight.detach().t()
     assert torch.equal(routing.experts, logits.topk(top_k, dim=-1).indices)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+@pytest.mark.parametrize("pad", [False, True], ids=["packed", "padded"])
+@pytest.mark.parametrize("factor", [0.0, 0.5, 1.0])
+def test_layer_with_token_dropping_matches_per_token_loops_on_cpu(policy, pad, factor):
+    torch.manual_seed(7)
+    layer = MoELayer(
+        12, 10, 4, 2, shared_expert_ffn_hidden=6, aux_loss_coeff=0.1, z_loss_coeff=0.01,
+        capacity_factor=factor, drop_policy=policy, pad_to_capacity=pad, single_grouped_weight=True,
+        bias=False, dtype=torch.float64,
+    )
+    with torch.no_grad():
+        layer.router.weight[1] += 0.5  # expert 1 over-full
+    x = torch.rand(21, 12, dtype=torch.float64)
+    routing = check_layer(layer, x, 0.1, 0.01, 1e-12, f"{policy=} {pad=} {factor=}")
+    kept = kept_copies(layer, routing)
+    if factor < 1.0:
+        assert not kept.all(), "the case must drop copies"
+    assert "capacity_factor" in repr(layer)
+
+
+def test_token_dropping_options_are_checked():
+    with pytest.raises(ValueError, match="capacity_factor must be"):
+        MoELayer(8, 6, 4, 2, capacity_factor=-0.5)
+    with pytest.raises(ValueError, match="needs a capacity_factor"):
+        MoELayer(8, 6, 4, 2, pad_to_capacity=True)
+    with pytest.raises(ValueError, match="drop_policy must be"):
+        MoELayer(8, 6, 4, 2, capacity_factor=1.0, drop_policy="random")
 
 
 def test_all_tokens_to_one_expert_leaves_the_others_without_gradient():
@@ -152,22 +206,32 @@ def gpu_backends():
     return names
 
 
+# Token dropping options of the GPU layer tests: dropless, and capacity with each policy.
+CAPACITY_OPTIONS = {
+    "dropless": {},
+    "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
+    "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
+}
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("capacity", sorted(CAPACITY_OPTIONS))
 @pytest.mark.parametrize("shared", [False, True], ids=["routed", "shared"])
-def test_gpu_layer_matches_per_token_loops(shared):
+def test_gpu_layer_matches_per_token_loops(shared, capacity):
     for backend in gpu_backends():
         torch.manual_seed(5)
         layer = MoELayer(
             64, 96, 8, 2, shared_expert_ffn_hidden=32 if shared else None, aux_loss_coeff=0.01,
             z_loss_coeff=0.001, single_grouped_weight=True, dtype=torch.bfloat16, device="cuda",
-            backend=backend,
+            backend=backend, **CAPACITY_OPTIONS[capacity],
         )
         x = torch.randn(2, 48, 64, dtype=torch.bfloat16, device="cuda")
-        check_layer(layer, x, 0.01, 0.001, 1e-3, f"{backend=} {shared=}")
+        check_layer(layer, x, 0.01, 0.001, 1e-3, f"{backend=} {shared=} {capacity=}")
 
 
 @pytest.mark.gpu
-def test_gpu_capture_of_forward_and_backward_replays_new_routing():
+@pytest.mark.parametrize("capacity", sorted(CAPACITY_OPTIONS))
+def test_gpu_capture_of_forward_and_backward_replays_new_routing(capacity):
     tokens, hidden, ffn, num_experts, top_k = 256, 64, 128, 8, 2
     dtype = torch.bfloat16  # torch._grouped_mm copies offsets to the host for float32
     for backend in gpu_backends():
@@ -175,7 +239,7 @@ def test_gpu_capture_of_forward_and_backward_replays_new_routing():
         layer = MoELayer(
             hidden, ffn, num_experts, top_k, aux_loss_coeff=0.01, z_loss_coeff=0.001,
             shared_expert_ffn_hidden=32, single_grouped_weight=True, dtype=dtype, device="cuda",
-            backend=backend,
+            backend=backend, **CAPACITY_OPTIONS[capacity],
         )
         params = list(layer.parameters())
         static_x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
@@ -216,7 +280,7 @@ def test_gpu_capture_of_forward_and_backward_replays_new_routing():
                 p.grad = None
             out = layer(x_eager)
             out.backward(dout)
-            case = f"{backend=} {replay=}"
+            case = f"{backend=} {capacity=} {replay=}"
             assert torch.equal(static_experts, layer.last_routing.experts), case
             assert torch.equal(static_counts, layer.last_routing.tokens_per_expert), case
             seen_counts.add(tuple(static_counts.tolist()))

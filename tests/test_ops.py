@@ -42,7 +42,7 @@ def make_problem(shape, dtype, device, pattern, layout, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "E{}_M{}_K{}_N{}".format(*s))
 def test_fprop_dgrad_wgrad_dbias(device, pattern, dtype, shape):
-    for backend in backends_for(device):
+    for backend in backends_for(device, dtype):
         for layout in ("grouped", "separate"):
             case = f"{backend=} {layout=} {device=} {pattern=} {dtype=} {shape=}"
             splits, x, weights = make_problem(shape, dtype, device, pattern, layout)
@@ -89,7 +89,7 @@ def test_wgrad_accumulates_into_fp32_and_leaves_empty_experts(device, layout, pa
 def test_wgrad_zeroes_empty_experts_over_garbage(device):
     shape = (4, 32, 16, 16)
     splits = [0, 20, 0, 12]
-    for backend in backends_for(device):
+    for backend in backends_for(device, torch.float32):
         _, x, _ = make_problem(shape, torch.float32, device, "balanced", "grouped")
         dy = torch.randn(32, 16, device=device)
         out = [torch.full((4, 16, 16), float("nan"), device=device)]

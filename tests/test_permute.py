@@ -108,9 +108,9 @@ def test_gradcheck_in_float64(backend, routing):
 def test_ops_pass_opcheck():
     x = torch.randn(5, 4)
     experts = make_experts("random", 5, 2, 3)
-    row_id_map, _ = torch.ops.moe_grouped.permute_index(experts, 3, "torch")
-    torch.library.opcheck(torch.ops.moe_grouped.permute_index, (experts, 3, "torch"))
-    torch.library.opcheck(torch.ops.moe_grouped.permute_rows, (x.requires_grad_(), row_id_map, 2, "torch"))
+    row_id_map, _ = torch.ops.moe_grouped.permute_index(experts, None, 3, -1, False, "torch")
+    torch.library.opcheck(torch.ops.moe_grouped.permute_index, (experts, None, 3, -1, False, "torch"))
+    torch.library.opcheck(torch.ops.moe_grouped.permute_rows, (x.requires_grad_(), row_id_map, 2, 10, False, "torch"))
     y, w = torch.randn(10, 4, requires_grad=True), torch.rand(5, 2, requires_grad=True)
     torch.library.opcheck(torch.ops.moe_grouped.unpermute_rows, (y, row_id_map, w, 2, "torch"))
 

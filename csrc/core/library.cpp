@@ -39,7 +39,7 @@ std::string describe() {
   if (caps & MG_CAP_GROUPED_GEMM_16BIT) info += ", grouped_gemm_bf16_fp16";
   if (caps & MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE) info += ", grouped_gemm_fp8_blockwise";
   if (caps & MG_CAP_PERMUTE) info += ", permute";
-  if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize_1x128";
+  if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize";
   return info;
 }
 

@@ -9,13 +9,16 @@ namespace moe_grouped {
 
 constexpr int kSetupThreads = 1024;
 
-// One block computes offsets[0..num_groups] (exclusive prefix sum of the
-// counts, each clamped so that no group passes `total_rows`: a wrong m_splits
-// must not make a kernel read past the static buffer) and calls `visit(g, offset, count)` once per group. Must be called
-// by all kSetupThreads threads of the block.
-template <typename SplitT, typename Visitor>
-__device__ void scan_splits(const SplitT* m_splits, int num_groups, int64_t total_rows,
-                            int64_t* offsets, Visitor visit) {
+// One block walks the groups in chunks of kSetupThreads, computes
+// offsets[0..num_groups] (exclusive prefix sum of the counts, each clamped so
+// that no group passes `total_rows`: a wrong m_splits must not make a kernel
+// read past the static buffer) and calls `visit(g, valid, offset, count)` on
+// every thread of the block once per chunk (valid: g < num_groups), so that
+// the visitor may itself run block-wide collectives. Must be called by all
+// kSetupThreads threads of the block.
+template <typename SplitT, typename ChunkVisitor>
+__device__ void scan_split_chunks(const SplitT* m_splits, int num_groups, int64_t total_rows,
+                                  int64_t* offsets, ChunkVisitor visit) {
   using Scan = cub::BlockScan<int64_t, kSetupThreads>;
   __shared__ typename Scan::TempStorage scan_storage;
   __shared__ int64_t carry;
@@ -36,15 +39,66 @@ __device__ void scan_splits(const SplitT* m_splits, int num_groups, int64_t tota
     int64_t start = carry + prefix;
     if (start > total_rows) start = total_rows;
     int64_t count = raw < total_rows - start ? raw : total_rows - start;
-    if (g < num_groups) {
-      offsets[g] = start;
-      visit(g, start, count);
-    }
+    if (g < num_groups) offsets[g] = start;
+    visit(g, g < num_groups, start, g < num_groups ? count : int64_t{0});
     __syncthreads();
     if (threadIdx.x == 0) carry += chunk_total;
     __syncthreads();
   }
   if (threadIdx.x == 0) offsets[num_groups] = carry < total_rows ? carry : total_rows;
+}
+
+// As scan_split_chunks, calling `visit(g, offset, count)` once per group.
+template <typename SplitT, typename Visitor>
+__device__ void scan_splits(const SplitT* m_splits, int num_groups, int64_t total_rows,
+                            int64_t* offsets, Visitor visit) {
+  scan_split_chunks(m_splits, num_groups, total_rows, offsets,
+                    [&](int g, bool valid, int64_t start, int64_t count) {
+                      if (valid) visit(g, start, count);
+                    });
+}
+
+// Where a group starts in the column-wise FP8 layout (see
+// mg_quantize_columnwise_grouped_1x128): its first padded column
+// p_e = sum_{j<e} round_up(m_j, 16) and its first 128-token scale block
+// b_e = sum_{j<e} ceil(m_j / 128), over the clamped counts, so that both stay
+// inside buffers sized from `total_rows` and `num_groups`.
+struct ColumnwiseStart {
+  int64_t padded;
+  int64_t block;
+};
+
+struct ColumnwiseStartSum {
+  __device__ ColumnwiseStart operator()(const ColumnwiseStart& a, const ColumnwiseStart& b) const {
+    return {a.padded + b.padded, a.block + b.block};
+  }
+};
+
+// As scan_splits, calling `visit(g, offset, count, columnwise_start)`.
+template <typename SplitT, typename Visitor>
+__device__ void scan_splits_columnwise(const SplitT* m_splits, int num_groups, int64_t total_rows,
+                                       int64_t* offsets, Visitor visit) {
+  using Scan = cub::BlockScan<ColumnwiseStart, kSetupThreads>;
+  __shared__ typename Scan::TempStorage scan_storage;
+  __shared__ ColumnwiseStart carry;
+  if (threadIdx.x == 0) carry = {0, 0};
+  __syncthreads();
+  scan_split_chunks(m_splits, num_groups, total_rows, offsets,
+                    [&](int g, bool valid, int64_t start, int64_t count) {
+                      ColumnwiseStart extent{(count + 15) / 16 * 16, (count + 127) / 128};
+                      ColumnwiseStart prefix{0, 0};
+                      ColumnwiseStart total{0, 0};
+                      Scan(scan_storage)
+                          .ExclusiveScan(extent, prefix, ColumnwiseStart{0, 0},
+                                         ColumnwiseStartSum{}, total);
+                      if (valid) {
+                        visit(g, start, count,
+                              ColumnwiseStart{carry.padded + prefix.padded,
+                                              carry.block + prefix.block});
+                      }
+                      __syncthreads();
+                      if (threadIdx.x == 0) carry = ColumnwiseStartSum{}(carry, total);
+                    });
 }
 
 }  // namespace moe_grouped

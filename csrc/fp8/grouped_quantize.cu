@@ -1,42 +1,18 @@
-// FP8 1x128 block quantization: row-wise (fprop/dgrad operands) and grouped
-// column-wise (the transposed per-expert copies that wgrad reduces over).
-// Group boundaries come from device m_splits; nothing syncs with the host.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_fp8.h>
-
-#include <cfloat>
+// FP8 1x128 block quantization of activations and gradients: row-wise (the
+// fprop/dgrad operands), grouped column-wise (the transposed per-expert copies
+// that wgrad reduces over, in the padded layout the FP8 wgrad GEMM reads),
+// both from one read of x, and the fused per-expert dbias. Group boundaries
+// come from device m_splits; nothing syncs with the host.
 #include <cstdint>
 
-#include "core/error.h"
 #include "core/setup.cuh"
 #include "core/workspace.h"
+#include "fp8/quantize_common.cuh"
 
-namespace moe_grouped {
+namespace moe_grouped::quantize {
 namespace {
 
-constexpr int kBlock = 128;       // elements per scaling block
-constexpr int kTileCols = 64;     // columns per CTA in the column-wise kernel
-constexpr int kThreads = 256;
-
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-// TransformerEngine's block-scaling scale rule (see the C ABI header).
-__device__ inline float compute_scale(float amax, float fp8_max, bool pow2, float epsilon) {
-  if (amax < epsilon) amax = epsilon;
-  if (isinf(amax) || amax == 0.f || isnan(amax)) return 1.f;
-  float scale = __fdiv_rn(fp8_max, amax);
-  if (isinf(scale)) scale = FLT_MAX;
-  if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
-  return scale;
-}
-
-template <bool kE4M3>
-__device__ inline uint8_t to_fp8(float v) {
-  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
-}
+// ---- row-wise only ----------------------------------------------------------
 
 // One warp per (row, 128-column block); each lane owns 4 consecutive columns.
 template <typename T, bool kE4M3>
@@ -57,8 +33,7 @@ __global__ void __launch_bounds__(kThreads)
     v[i] = (col0 + i < cols) ? to_float(src[col0 + i]) : 0.f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  amax = warp_max_xor(amax, 32);
   const float scale = compute_scale(amax, fp8_max, pow2, epsilon);
   uint8_t* dst = q + row * cols;
 #pragma unroll
@@ -71,15 +46,11 @@ __global__ void __launch_bounds__(kThreads)
 // Vectorised row-wise path (cols % 16 == 0, 16-byte aligned rows): eight
 // lanes per 128-column block, 16 consecutive elements per lane, so each lane
 // has two or more 16-byte loads in flight and writes its 16 fp8 bytes at once.
-template <typename T>
-struct Vec16 {
-  static constexpr int kLoads = sizeof(T) * 16 / 16;  // 16-byte loads per lane
-};
-
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
     rowwise_vec16_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, float fp8_max, bool pow2,
                          float epsilon, uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+  constexpr int kLoads = sizeof(T);  // 16-byte loads per 16 elements
   const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t unit = thread / 8;  // (row, block) pair
@@ -91,9 +62,9 @@ __global__ void __launch_bounds__(kThreads)
   float v[16];
   if (in_range) {
     const uint4* src = reinterpret_cast<const uint4*>(x + row * cols + col0);
-    uint4 raw[Vec16<T>::kLoads];
+    uint4 raw[kLoads];
 #pragma unroll
-    for (int i = 0; i < Vec16<T>::kLoads; ++i) raw[i] = __ldg(src + i);
+    for (int i = 0; i < kLoads; ++i) raw[i] = __ldg(src + i);
     const T* values = reinterpret_cast<const T*>(raw);
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = to_float(values[i]);
@@ -104,135 +75,257 @@ __global__ void __launch_bounds__(kThreads)
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-  for (int offset = 4; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  amax = warp_max_xor(amax, 8);
   if (!active) return;
   const float scale = compute_scale(amax, fp8_max, pow2, epsilon);
-  if (in_range) {
-    uint4 packed;
-    uint8_t* bytes = reinterpret_cast<uint8_t*>(&packed);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) bytes[i] = to_fp8<kE4M3>(v[i] * scale);
-    *reinterpret_cast<uint4*>(q + row * cols + col0) = packed;
-  }
+  if (in_range) *reinterpret_cast<uint4*>(q + row * cols + col0) = pack_fp8x16<kE4M3>(v, scale);
   if (part == 0) scale_inv[unit] = 1.f / scale;
 }
 
-// Group offsets o_e and block offsets b_e (prefix sums of ceil(m_e / 128)).
+// ---- grouped: column-wise, optionally row-wise and dbias, one read of x ----
+//
+// A CTA owns one tile of 128 tokens x 128 columns: one 1x128 column-wise
+// block (block j of group e, scale row b_e + j, which is simply the global
+// block index) and, across it, 128 row-wise blocks. Every row of x lies in
+// exactly one tile: tokens past the last group (only when m_splits sums to
+// less than rows) form row-wise-only tiles after the groups' blocks, which
+// the grid of ceil(rows / 128) + E block rows always has room for.
+//
+// Thread layout while loading: eight threads per row, 16 consecutive columns
+// each, 32 rows per pass, four passes. Row-wise blocks are finished from
+// registers. The tile also goes to shared memory, where the column pass reads
+// it down the columns: a warp takes four columns, eight lanes per column,
+// each lane one 16-token segment, so a warp writes four 128-byte runs of qt.
+
+constexpr int kTileRows = kBlock;  // tokens per tile: one column-wise block
+constexpr int kTileCols = kBlock;  // columns per tile: one row-wise block
+constexpr int kRowsPerPass = kThreads / 8;
+constexpr int kPasses = kTileRows / kRowsPerPass;
+constexpr int kSegment = 16;  // tokens per lane in the column pass
+
+// Byte offset of element (r, c) in the shared tile. Rows are 128 * sizeof(T)
+// bytes of 16-byte chunks; a row's chunks are XOR-swizzled by its 16-row
+// segment, so that the eight lanes reading one column (one lane per segment)
+// hit eight different bank groups.
+template <typename T>
+__device__ inline int tile_offset(int r, int c) {
+  constexpr int kPerChunk = 16 / sizeof(T);
+  const int chunk = (c / kPerChunk) ^ ((r / kSegment) % 8);
+  return r * kTileCols * static_cast<int>(sizeof(T)) + chunk * 16 + (c % kPerChunk) * static_cast<int>(sizeof(T));
+}
+
+struct GroupedArgs {
+  int64_t rows;
+  int64_t cols;
+  int num_groups;
+  int64_t col_tiles;    // ceil(cols / 128): also row-wise scales per row
+  int64_t padded_rows;  // leading dimension of qt
+  float fp8_max;
+  bool pow2;
+  float epsilon;
+  // The group layout, written by grouped_layout_kernel (all [E + 1]).
+  const int64_t* offsets;  // first token of each group; offsets[E]: end of the last
+  const int64_t* padded;   // p_e: first column of group e in qt
+  const int64_t* blocks;   // b_e: first scale row of group e; blocks[E]: all groups' blocks
+  uint8_t* q;              // row-wise [rows, cols] (kRowwise only)
+  float* scale_inv;        // row-wise [rows, col_tiles]
+  uint8_t* qt;             // column-wise [cols, padded_rows]
+  float* scale_inv_t;      // column-wise [scale_rows, cols]
+  float* partials;         // [scale_rows, cols] column sums of each block, or nullptr
+};
+
 template <typename SplitT>
 __global__ void __launch_bounds__(kSetupThreads)
-    columnwise_setup_kernel(const SplitT* m_splits, int num_groups, int64_t rows, int64_t* offsets,
-                            int64_t* block_offsets) {
-  // First pass: clamped offsets; block counts parked in block_offsets[g + 1].
-  scan_splits(m_splits, num_groups, rows, offsets, [&](int g, int64_t, int64_t count) {
-    block_offsets[g + 1] = (count + kBlock - 1) / kBlock;
-  });
+    grouped_layout_kernel(const SplitT* m_splits, int num_groups, int64_t rows, int64_t* offsets,
+                          int64_t* padded, int64_t* blocks) {
+  scan_splits_columnwise(m_splits, num_groups, rows, offsets,
+                         [&](int g, int64_t, int64_t count, ColumnwiseStart at) {
+                           padded[g] = at.padded;
+                           blocks[g] = at.block;
+                           if (g == num_groups - 1) {
+                             padded[num_groups] = at.padded + (count + 15) / 16 * 16;
+                             blocks[num_groups] = at.block + (count + kBlock - 1) / kBlock;
+                           }
+                         });
+}
+
+template <typename T, bool kE4M3, bool kRowwise, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    grouped_1x128_kernel(const T* __restrict__ x, const GroupedArgs a) {
+  extern __shared__ __align__(16) unsigned char tile[];  // [128][128] T, swizzled
+
+  const int64_t block = static_cast<int64_t>(blockIdx.x) / a.col_tiles;
+  const int64_t col_tile = static_cast<int64_t>(blockIdx.x) % a.col_tiles;
+  const int64_t col0 = col_tile * kTileCols;
+  const int64_t group_blocks = a.blocks[a.num_groups];
+  int group = -1;
+  int64_t row0, row_end;
+  if (block < group_blocks) {
+    // The group of this block: the largest g with b_g <= block (empty groups
+    // share their b_g with the next group, which is the one that owns it).
+    int lo = 0, hi = a.num_groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (a.blocks[mid] <= block) lo = mid; else hi = mid - 1;
+    }
+    group = lo;
+    row0 = a.offsets[group] + (block - a.blocks[group]) * kTileRows;
+    row_end = a.offsets[group + 1];
+  } else {
+    if (!kRowwise) return;
+    row0 = a.offsets[a.num_groups] + (block - group_blocks) * kTileRows;
+    row_end = a.rows;
+    if (row0 >= row_end) return;
+  }
+  const int valid_rows = static_cast<int>(row_end - row0 < kTileRows ? row_end - row0 : kTileRows);
+
+  const int part = threadIdx.x % 8;  // which 16 columns of the row
+  const int64_t col = col0 + part * 16;
+  float v[16];
+
+  if constexpr (kVector) {
+    // cols % 16 == 0: a 16-column chunk is wholly inside or outside x.
+    constexpr int kChunks = sizeof(T);  // 16-byte chunks per 16 elements
+    uint4 raw[kPasses][kChunks];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+      const bool valid = r < valid_rows && col < a.cols;
+      const uint4* src = reinterpret_cast<const uint4*>(x + (row0 + r) * a.cols + col);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) raw[p][k] = valid ? __ldg(src + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+      // The eight threads of a row store one 16-byte chunk each per step; the
+      // rotation puts those eight chunks in eight different bank groups.
+      const int rotation = (part * kChunks / 8) % kChunks;
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int which = k ^ rotation;
+        uint4 chunk = raw[p][0];
+#pragma unroll
+        for (int m = 1; m < kChunks; ++m) {
+          if (which == m) chunk = raw[p][m];
+        }
+        *reinterpret_cast<uint4*>(tile + tile_offset<T>(r, part * 16 + which * (16 / sizeof(T)))) = chunk;
+      }
+      if constexpr (kRowwise) {
+        const T* values = reinterpret_cast<const T*>(raw[p]);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) v[i] = to_float(values[i]);
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = warp_max_xor(amax, 8);
+        const float scale = compute_scale(amax, a.fp8_max, a.pow2, a.epsilon);
+        if (r < valid_rows) {
+          if (col < a.cols) {
+            *reinterpret_cast<uint4*>(a.q + (row0 + r) * a.cols + col) = pack_fp8x16<kE4M3>(v, scale);
+          }
+          if (part == 0) a.scale_inv[(row0 + r) * a.col_tiles + col_tile] = 1.f / scale;
+        }
+      }
+    }
+  } else {
+    // Any cols, any alignment: element loads and byte stores.
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        T value = static_cast<T>(0.f);
+        if (r < valid_rows && col + i < a.cols) value = x[(row0 + r) * a.cols + col + i];
+        *reinterpret_cast<T*>(tile + tile_offset<T>(r, part * 16 + i)) = value;
+        v[i] = to_float(value);
+      }
+      if constexpr (kRowwise) {
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+        amax = warp_max_xor(amax, 8);
+        const float scale = compute_scale(amax, a.fp8_max, a.pow2, a.epsilon);
+        if (r < valid_rows) {
+          const int64_t count = a.cols - col;
+          store_fp8x16(a.q + (row0 + r) * a.cols + col, pack_fp8x16<kE4M3>(v, scale),
+                       count < 16 ? static_cast<int>(count) : 16, false);
+          if (part == 0) a.scale_inv[(row0 + r) * a.col_tiles + col_tile] = 1.f / scale;
+        }
+      }
+    }
+  }
+  if (group < 0) return;  // tokens outside every group: row-wise only
   __syncthreads();
-  if (threadIdx.x == 0) {
-    // E is small (<= a few thousand): a serial prefix over cached values is
-    // cheaper than a second block scan's bookkeeping.
-    block_offsets[0] = 0;
-    for (int g = 0; g < num_groups; ++g) block_offsets[g + 1] += block_offsets[g];
+
+  // Column pass. Lane = 8 * (column of the warp's four) + segment; a column's
+  // amax and sum reduce over its eight lanes in a fixed tree (xor 1, 2, 4),
+  // which with the in-order segment sums fixes the dbias summation order.
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int segment = lane % 8;
+  const int segment_rows = valid_rows - segment * kSegment;  // may be <= 0
+  uint8_t* qt_block = a.qt + a.padded[group] + (block - a.blocks[group]) * kTileRows + segment * kSegment;
+#pragma unroll 1
+  for (int round = 0; round < kTileCols / 32; ++round) {
+    const int c = round * 32 + warp * 4 + lane / 8;
+    float amax = 0.f, sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kSegment; ++i) {
+      v[i] = to_float(*reinterpret_cast<const T*>(tile + tile_offset<T>(segment * kSegment + i, c)));
+      amax = fmaxf(amax, fabsf(v[i]));
+      sum += v[i];
+    }
+#pragma unroll
+    for (int offset = 1; offset < 8; offset *= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+      sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    }
+    if (col0 + c >= a.cols) continue;
+    const float scale = compute_scale(amax, a.fp8_max, a.pow2, a.epsilon);
+    if (segment_rows > 0) {
+      store_fp8x16(qt_block + (col0 + c) * a.padded_rows, pack_fp8x16<kE4M3>(v, scale),
+                   segment_rows < kSegment ? segment_rows : kSegment, kVector);
+    }
+    if (segment == 0) {
+      a.scale_inv_t[block * a.cols + col0 + c] = 1.f / scale;
+      if (a.partials != nullptr) a.partials[block * a.cols + col0 + c] = sum;
+    }
   }
 }
 
-// One CTA per (128-row block of one group, 64 columns): amax per column over
-// the block's rows, then the transposed fp8 tile written row-contiguous.
-template <typename T, bool kE4M3>
+// dbias[e, c] from the per-block column sums of group e: warp w adds blocks
+// w, w + 8, ... in order, then the eight warp sums are added in warp order.
+constexpr int kDbiasCols = 32;
+
 __global__ void __launch_bounds__(kThreads)
-    columnwise_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int num_groups,
-                      const int64_t* __restrict__ offsets, const int64_t* __restrict__ block_offsets,
-                      int64_t scale_columns, float fp8_max, bool pow2, float epsilon,
-                      uint8_t* __restrict__ qt, float* __restrict__ scale_inv_t) {
-  __shared__ float tile[kBlock][kTileCols + 1];
-  __shared__ float scales[kTileCols];
-  const int64_t block = blockIdx.y;
-  if (block >= block_offsets[num_groups]) return;
-  // The group whose blocks contain `block`: largest g with b_g <= block < b_{g+1}.
-  int lo = 0, hi = num_groups - 1;
-  while (lo < hi) {
-    int mid = (lo + hi + 1) / 2;
-    if (block_offsets[mid] <= block) lo = mid; else hi = mid - 1;
+    grouped_dbias_kernel(const float* __restrict__ partials, const int64_t* __restrict__ blocks, int64_t cols,
+                         int64_t col_tiles, float* __restrict__ dbias) {
+  __shared__ float warp_sums[kThreads / 32][kDbiasCols];
+  const int64_t group = static_cast<int64_t>(blockIdx.x) / col_tiles;
+  const int64_t c = static_cast<int64_t>(blockIdx.x) % col_tiles * kDbiasCols + threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int64_t first = blocks[group];
+  const int64_t count = blocks[group + 1] - first;
+  float sum = 0.f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t j = warp; j < count; j += kThreads / 32) sum += partials[(first + j) * cols + c];
   }
-  const int group = lo;
-  const int64_t row0 = offsets[group] + (block - block_offsets[group]) * kBlock;
-  const int64_t group_end = offsets[group + 1];
-  const int64_t remaining = group_end - row0;
-  const int valid_rows = static_cast<int>(remaining < kBlock ? remaining : kBlock);
-  const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
-
-  constexpr int kPerLoad = 16 / sizeof(T);                  // elements per 16-byte load
-  constexpr int kThreadsPerRow = kTileCols / kPerLoad;
-  constexpr int kRowsPerPass = kThreads / kThreadsPerRow;
-  const bool vector_ok = (cols % kPerLoad == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
-  if (vector_ok) {
-    const int c = (threadIdx.x % kThreadsPerRow) * kPerLoad;
-    uint4 raw[kBlock / kRowsPerPass];
-#pragma unroll
-    for (int pass = 0; pass < kBlock / kRowsPerPass; ++pass) {
-      const int r = threadIdx.x / kThreadsPerRow + pass * kRowsPerPass;
-      raw[pass] = make_uint4(0, 0, 0, 0);
-      if (r < valid_rows && col0 + c < cols) {
-        raw[pass] = __ldg(reinterpret_cast<const uint4*>(x + (row0 + r) * cols + col0 + c));
-      }
-    }
-#pragma unroll
-    for (int pass = 0; pass < kBlock / kRowsPerPass; ++pass) {
-      const int r = threadIdx.x / kThreadsPerRow + pass * kRowsPerPass;
-      const T* values = reinterpret_cast<const T*>(&raw[pass]);
-#pragma unroll
-      for (int i = 0; i < kPerLoad; ++i) tile[r][c + i] = to_float(values[i]);
-    }
-  } else {
-    const int c = threadIdx.x % kTileCols;
-    for (int r = threadIdx.x / kTileCols; r < kBlock; r += kThreads / kTileCols) {
-      float v = 0.f;
-      if (r < valid_rows && col0 + c < cols) v = to_float(x[(row0 + r) * cols + col0 + c]);
-      tile[r][c] = v;
-    }
-  }
+  warp_sums[warp][threadIdx.x % 32] = sum;
   __syncthreads();
-
-  {  // Four threads per column, 32 rows each.
-    const int column = threadIdx.x / 4, part = threadIdx.x % 4;
-    float amax = 0.f;
-    for (int r = part * 32; r < part * 32 + 32; ++r) amax = fmaxf(amax, fabsf(tile[r][column]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    if (part == 0) {
-      const float scale = compute_scale(amax, fp8_max, pow2, epsilon);
-      scales[column] = scale;
-      if (col0 + column < cols) scale_inv_t[(col0 + column) * scale_columns + block] = 1.f / scale;
-    }
-  }
-  __syncthreads();
-
-  const int r = threadIdx.x % kBlock;
-  if (r >= valid_rows) return;
-  for (int column = threadIdx.x / kBlock; column < kTileCols; column += kThreads / kBlock) {
-    if (col0 + column >= cols) break;
-    qt[(col0 + column) * rows + row0 + r] = to_fp8<kE4M3>(tile[r][column] * scales[column]);
+  if (warp == 0 && c < cols) {
+    float total = 0.f;
+#pragma unroll
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w][threadIdx.x];
+    dbias[group * cols + c] = total;
   }
 }
 
 mg_status check_quantize_args(const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols,
                               const mg_quantize_config& config, float* fp8_max) {
-  if (x_dtype != MG_BFLOAT16 && x_dtype != MG_FLOAT16 && x_dtype != MG_FLOAT32) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "x must be bfloat16, float16 or float32, got %s",
-                dtype_name(x_dtype));
-  }
-  if (config.fp8_dtype == MG_FLOAT8_E4M3) {
-    *fp8_max = 448.f;
-  } else if (config.fp8_dtype == MG_FLOAT8_E5M2) {
-    *fp8_max = 57344.f;
-  } else {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "fp8_dtype must be float8_e4m3fn or float8_e5m2, got %s",
-                dtype_name(config.fp8_dtype));
-  }
-  if (!(config.amax_epsilon >= 0.f)) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "amax_epsilon must be non-negative, got %g",
-                static_cast<double>(config.amax_epsilon));
-  }
+  MG_RETURN_IF_ERROR(check_input_dtype("x", x_dtype));
+  MG_RETURN_IF_ERROR(check_fp8_config(config, fp8_max));
   if (rows < 0 || cols < 0 || rows > INT32_MAX || cols > INT32_MAX) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "rows and cols must be in [0, 2^31), got %lld x %lld",
                 static_cast<long long>(rows), static_cast<long long>(cols));
@@ -241,58 +334,112 @@ mg_status check_quantize_args(const void* x, mg_dtype x_dtype, int64_t rows, int
   return MG_OK;
 }
 
-// The kernels are instantiated for every (input dtype, fp8 format) pair;
-// `Launch` is a struct template whose static run<T, kE4M3>(args...) launches.
-template <template <typename, bool> class Launch, typename... Args>
-void dispatch(mg_dtype x_dtype, mg_dtype fp8_dtype, Args... args) {
-  const bool e4m3 = fp8_dtype == MG_FLOAT8_E4M3;
-  switch (x_dtype) {
-    case MG_BFLOAT16:
-      e4m3 ? Launch<__nv_bfloat16, true>::run(args...) : Launch<__nv_bfloat16, false>::run(args...);
-      break;
-    case MG_FLOAT16:
-      e4m3 ? Launch<__half, true>::run(args...) : Launch<__half, false>::run(args...);
-      break;
-    default:
-      e4m3 ? Launch<float, true>::run(args...) : Launch<float, false>::run(args...);
-      break;
+// Both grouped entry points: column-wise always, row-wise when q != nullptr.
+mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
+                           mg_dtype splits_dtype, int num_groups, const mg_quantize_config& config, void* q,
+                           float* scale_inv, void* qt, float* scale_inv_t, float* dbias, int device,
+                           int workspace_slot, void* stream) {
+  float fp8_max = 0.f;
+  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, rows, cols, config, &fp8_max));
+  if (splits_dtype != MG_INT32 && splits_dtype != MG_INT64) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "m_splits must be int32 or int64, got %s", dtype_name(splits_dtype));
   }
+  if (num_groups <= 0 || m_splits == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "need num_groups > 0 and device m_splits, got %d groups", num_groups);
+  }
+  const bool rowwise = q != nullptr;
+  if (rows > 0 && cols > 0 && (qt == nullptr || scale_inv_t == nullptr || (rowwise && scale_inv == nullptr))) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "qt and scale_inv_t%s must not be NULL",
+                rowwise ? " (and scale_inv, with q)" : "");
+  }
+  const int64_t scale_rows = (rows + kBlock - 1) / kBlock + num_groups;
+  const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
+  if (scale_rows * col_tiles > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "x is too large for the grouped quantizer: %lld x %lld with %d groups",
+                static_cast<long long>(rows), static_cast<long long>(cols), num_groups);
+  }
+  const bool need_partials = dbias != nullptr && rows > 0 && cols > 0;
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  WorkspaceCarver plan(nullptr);
+  plan.take<int64_t>(num_groups + 1);
+  plan.take<int64_t>(num_groups + 1);
+  plan.take<int64_t>(num_groups + 1);
+  if (need_partials) plan.take<float>(static_cast<size_t>(scale_rows * cols));
+  void* base = nullptr;
+  MG_RETURN_IF_ERROR(workspace_get(device, workspace_slot, plan.bytes_used(), cuda_stream, &base));
+  WorkspaceCarver carve(base);
+  int64_t* offsets = carve.take<int64_t>(num_groups + 1);
+  int64_t* padded = carve.take<int64_t>(num_groups + 1);
+  int64_t* blocks = carve.take<int64_t>(num_groups + 1);
+  float* partials = need_partials ? carve.take<float>(static_cast<size_t>(scale_rows * cols)) : nullptr;
+
+  if (splits_dtype == MG_INT32) {
+    grouped_layout_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(static_cast<const int32_t*>(m_splits), num_groups,
+                                                                 rows, offsets, padded, blocks);
+  } else {
+    grouped_layout_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(static_cast<const int64_t*>(m_splits), num_groups,
+                                                                 rows, offsets, padded, blocks);
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+
+  if (rows > 0 && cols > 0) {
+    GroupedArgs args{};
+    args.rows = rows;
+    args.cols = cols;
+    args.num_groups = num_groups;
+    args.col_tiles = col_tiles;
+    args.padded_rows = (rows + 15) / 16 * 16 + 16 * static_cast<int64_t>(num_groups);
+    args.fp8_max = fp8_max;
+    args.pow2 = config.pow2_scales != 0;
+    args.epsilon = config.amax_epsilon;
+    args.offsets = offsets;
+    args.padded = padded;
+    args.blocks = blocks;
+    args.q = static_cast<uint8_t*>(q);
+    args.scale_inv = scale_inv;
+    args.qt = static_cast<uint8_t*>(qt);
+    args.scale_inv_t = scale_inv_t;
+    args.partials = partials;
+    const bool vector = cols % 16 == 0 && aligned16(x) && aligned16(qt) && (!rowwise || aligned16(q));
+    const dim3 grid(static_cast<unsigned>(scale_rows * col_tiles));
+    cudaError_t launched = cudaSuccess;
+    dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {
+      using T = typename decltype(tag)::type;
+      dispatch_bool(rowwise, [&](auto with_rowwise) {
+        dispatch_bool(vector, [&](auto with_vector) {
+          auto kernel = grouped_1x128_kernel<T, decltype(e4m3)::value, decltype(with_rowwise)::value,
+                                             decltype(with_vector)::value>;
+          const int smem = kTileRows * kTileCols * static_cast<int>(sizeof(T));
+          if (smem > 48 * 1024) {
+            launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+            if (launched != cudaSuccess) return;
+          }
+          kernel<<<grid, kThreads, smem, cuda_stream>>>(static_cast<const T*>(x), args);
+        });
+      });
+    });
+    MG_CUDA_RETURN(launched);
+    MG_CUDA_RETURN(cudaGetLastError());
+  }
+
+  if (dbias != nullptr && cols > 0) {
+    const int64_t dbias_tiles = (cols + kDbiasCols - 1) / kDbiasCols;
+    if (dbias_tiles * num_groups > INT32_MAX) {
+      return fail(MG_ERROR_INVALID_ARGUMENT, "dbias [%d, %lld] is too large", num_groups,
+                  static_cast<long long>(cols));
+    }
+    grouped_dbias_kernel<<<static_cast<unsigned>(dbias_tiles * num_groups), kThreads, 0, cuda_stream>>>(
+        partials, blocks, cols, dbias_tiles, dbias);
+    MG_CUDA_RETURN(cudaGetLastError());
+  }
+  return ok();
 }
 
-template <typename T, bool kE4M3>
-struct LaunchRowwise {
-  static void run(dim3 grid, cudaStream_t stream, const void* x, int64_t rows, int64_t cols,
-                  float fp8_max, bool pow2, float epsilon, void* q, float* scale_inv) {
-    rowwise_kernel<T, kE4M3><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, fp8_max, pow2, epsilon, static_cast<uint8_t*>(q), scale_inv);
-  }
-};
-
-template <typename T, bool kE4M3>
-struct LaunchRowwiseVec16 {
-  static void run(dim3 grid, cudaStream_t stream, const void* x, int64_t rows, int64_t cols,
-                  float fp8_max, bool pow2, float epsilon, void* q, float* scale_inv) {
-    rowwise_vec16_kernel<T, kE4M3><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, fp8_max, pow2, epsilon, static_cast<uint8_t*>(q), scale_inv);
-  }
-};
-
-template <typename T, bool kE4M3>
-struct LaunchColumnwise {
-  static void run(dim3 grid, cudaStream_t stream, const void* x, int64_t rows, int64_t cols,
-                  int num_groups, const int64_t* offsets, const int64_t* block_offsets,
-                  int64_t scale_columns, float fp8_max, bool pow2, float epsilon, void* qt,
-                  float* scale_inv_t) {
-    columnwise_kernel<T, kE4M3><<<grid, kThreads, 0, stream>>>(
-        static_cast<const T*>(x), rows, cols, num_groups, offsets, block_offsets, scale_columns, fp8_max,
-        pow2, epsilon, static_cast<uint8_t*>(qt), scale_inv_t);
-  }
-};
-
 }  // namespace
-}  // namespace moe_grouped
+}  // namespace moe_grouped::quantize
 
 using namespace moe_grouped;
+using namespace moe_grouped::quantize;
 
 extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int64_t rows,
                                                int64_t cols, mg_quantize_config config, void* q,
@@ -305,20 +452,26 @@ extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, 
   }
   const int64_t units = rows * ((cols + kBlock - 1) / kBlock);  // (row, 128-column block) pairs
   // 16 elements per lane wants 16-byte aligned rows of whole 16-element chunks.
-  const bool vectorised = cols % 16 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
-                          reinterpret_cast<uintptr_t>(q) % 16 == 0;
+  const bool vectorised = cols % 16 == 0 && aligned16(x) && aligned16(q);
   const int64_t threads = units * (vectorised ? 8 : 32);
   const int64_t grid = (threads + kThreads - 1) / kThreads;
   if (grid > INT32_MAX) return fail(MG_ERROR_INVALID_ARGUMENT, "x is too large: %lld blocks", static_cast<long long>(grid));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   const dim3 blocks(static_cast<unsigned>(grid));
-  if (vectorised) {
-    dispatch<LaunchRowwiseVec16>(x_dtype, config.fp8_dtype, blocks, cuda_stream, x, rows, cols, fp8_max,
-                                 config.pow2_scales != 0, config.amax_epsilon, q, scale_inv);
-  } else {
-    dispatch<LaunchRowwise>(x_dtype, config.fp8_dtype, blocks, cuda_stream, x, rows, cols, fp8_max,
-                            config.pow2_scales != 0, config.amax_epsilon, q, scale_inv);
-  }
+  const bool pow2 = config.pow2_scales != 0;
+  dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {
+    using T = typename decltype(tag)::type;
+    constexpr bool kE4M3 = decltype(e4m3)::value;
+    if (vectorised) {
+      rowwise_vec16_kernel<T, kE4M3><<<blocks, kThreads, 0, cuda_stream>>>(
+          static_cast<const T*>(x), rows, cols, fp8_max, pow2, config.amax_epsilon, static_cast<uint8_t*>(q),
+          scale_inv);
+    } else {
+      rowwise_kernel<T, kE4M3><<<blocks, kThreads, 0, cuda_stream>>>(
+          static_cast<const T*>(x), rows, cols, fp8_max, pow2, config.amax_epsilon, static_cast<uint8_t*>(q),
+          scale_inv);
+    }
+  });
   MG_CUDA_RETURN(cudaGetLastError());
   return ok();
 }
@@ -326,46 +479,19 @@ extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, 
 extern "C" mg_status mg_quantize_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt, float* scale_inv_t,
-    int device, int workspace_slot, void* stream) {
-  float fp8_max = 0.f;
-  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, rows, cols, config, &fp8_max));
-  if (splits_dtype != MG_INT32 && splits_dtype != MG_INT64) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "m_splits must be int32 or int64, got %s", dtype_name(splits_dtype));
+    float* dbias, int device, int workspace_slot, void* stream) {
+  return quantize_grouped(x, x_dtype, rows, cols, m_splits, splits_dtype, num_groups, config, nullptr, nullptr,
+                          qt, scale_inv_t, dbias, device, workspace_slot, stream);
+}
+
+extern "C" mg_status mg_quantize_rowwise_columnwise_grouped_1x128(
+    const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
+    mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* q, float* scale_inv,
+    void* qt, float* scale_inv_t, float* dbias, int device, int workspace_slot, void* stream) {
+  if (q == nullptr && rows > 0 && cols > 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "q must not be NULL (use mg_quantize_columnwise_grouped_1x128 "
+                                           "for the column-wise copy alone)");
   }
-  if (num_groups <= 0 || m_splits == nullptr) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "need num_groups > 0 and device m_splits, got %d groups", num_groups);
-  }
-  if (cols > 0 && rows > 0 && (qt == nullptr || scale_inv_t == nullptr)) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "qt and scale_inv_t must not be NULL");
-  }
-  auto cuda_stream = static_cast<cudaStream_t>(stream);
-  WorkspaceCarver plan(nullptr);
-  plan.take<int64_t>(num_groups + 1);
-  plan.take<int64_t>(num_groups + 1);
-  void* base = nullptr;
-  MG_RETURN_IF_ERROR(workspace_get(device, workspace_slot, plan.bytes_used(), cuda_stream, &base));
-  WorkspaceCarver carve(base);
-  int64_t* offsets = carve.take<int64_t>(num_groups + 1);
-  int64_t* block_offsets = carve.take<int64_t>(num_groups + 1);
-  if (splits_dtype == MG_INT32) {
-    columnwise_setup_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(
-        static_cast<const int32_t*>(m_splits), num_groups, rows, offsets, block_offsets);
-  } else {
-    columnwise_setup_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(
-        static_cast<const int64_t*>(m_splits), num_groups, rows, offsets, block_offsets);
-  }
-  MG_CUDA_RETURN(cudaGetLastError());
-  if (rows == 0 || cols == 0) return ok();
-  const int64_t scale_columns = (rows + kBlock - 1) / kBlock + num_groups;
-  if (scale_columns > 65535) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "rows / 128 + num_groups must be at most 65535 for the column-wise quantizer, got %lld",
-                static_cast<long long>(scale_columns));
-  }
-  dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols), static_cast<unsigned>(scale_columns));
-  dispatch<LaunchColumnwise>(x_dtype, config.fp8_dtype, grid, cuda_stream, x, rows, cols, num_groups, offsets,
-                             block_offsets, scale_columns, fp8_max, config.pow2_scales != 0,
-                             config.amax_epsilon, qt, scale_inv_t);
-  MG_CUDA_RETURN(cudaGetLastError());
-  return ok();
+  return quantize_grouped(x, x_dtype, rows, cols, m_splits, splits_dtype, num_groups, config, q, scale_inv, qt,
+                          scale_inv_t, dbias, device, workspace_slot, stream);
 }

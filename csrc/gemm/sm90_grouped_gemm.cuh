@@ -296,6 +296,47 @@ mg_status prepare_kernel(int device) {
   return MG_OK;
 }
 
+// Zeroes dW_e of every group without tokens: elements_per_group values of
+// ElementD from ptr_d[e] (a multiple of 16 bytes).
+template <class ElementD>
+mg_status launch_zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_d,
+                                   int64_t elements_per_group, int num_groups,
+                                   cudaStream_t stream) {
+  int64_t vectors = elements_per_group * static_cast<int64_t>(sizeof(ElementD)) / 16;
+  int64_t blocks = (vectors + 255) / 256;
+  dim3 grid(static_cast<unsigned>(blocks < 128 ? (blocks > 0 ? blocks : 1) : 128),
+            static_cast<unsigned>(num_groups));
+  zero_empty_groups<ElementD><<<grid, 256, 0, stream>>>(offsets, ptr_d, vectors);
+  MG_CUDA_RETURN(cudaGetLastError());
+  return MG_OK;
+}
+
+// Checks the arguments with CUTLASS, initialises its workspace and launches.
+template <class G>
+mg_status launch_gemm(const typename G::Gemm::Arguments& args, void* gemm_workspace,
+                      cudaStream_t stream, int num_groups, int64_t n, int64_t k) {
+  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL,
+                "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)", num_groups,
+                static_cast<long long>(n), static_cast<long long>(k));
+  }
+  cutlass::Status status = G::Kernel::initialize_workspace(args, gemm_workspace, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL, "CUTLASS could not initialise its grouped GEMM workspace: %s",
+                cutlassGetStatusString(status));
+  }
+  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, gemm_workspace);
+  status = G::Gemm::run(params, stream);
+  if (status != cutlass::Status::kSuccess) {
+    cudaError_t err = cudaGetLastError();
+    if (err != cudaSuccess) return cuda_fail(err, "the grouped GEMM launch");
+    return fail(MG_ERROR_INTERNAL, "CUTLASS failed to launch the grouped GEMM: %s",
+                cutlassGetStatusString(status));
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+  return MG_OK;
+}
+
 template <class G>
 mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   using Element = typename G::Element;
@@ -329,12 +370,8 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   MG_CUDA_RETURN(cudaGetLastError());
 
   if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
-    int64_t vectors = call.n * call.k * static_cast<int64_t>(sizeof(ElementD)) / 16;
-    int64_t blocks = (vectors + 255) / 256;
-    dim3 grid(static_cast<unsigned>(blocks < 128 ? (blocks > 0 ? blocks : 1) : 128),
-              static_cast<unsigned>(call.num_groups));
-    zero_empty_groups<ElementD><<<grid, 256, 0, stream>>>(w.offsets, w.ptr_d, vectors);
-    MG_CUDA_RETURN(cudaGetLastError());
+    MG_RETURN_IF_ERROR(launch_zero_empty_groups<ElementD>(w.offsets, w.ptr_d, call.n * call.k,
+                                                          call.num_groups, stream));
   }
 
   typename G::Gemm::Arguments args{};
@@ -357,25 +394,7 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   args.hw_info.device_id = device;
   args.hw_info.sm_count = call.sm_count;
 
-  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
-    return fail(MG_ERROR_INTERNAL, "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)",
-                call.num_groups, static_cast<long long>(call.n), static_cast<long long>(call.k));
-  }
-  cutlass::Status status = G::Kernel::initialize_workspace(args, w.gemm, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return fail(MG_ERROR_INTERNAL, "CUTLASS could not initialise its grouped GEMM workspace: %s",
-                cutlassGetStatusString(status));
-  }
-  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, w.gemm);
-  status = G::Gemm::run(params, stream);
-  if (status != cutlass::Status::kSuccess) {
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return cuda_fail(err, "the grouped GEMM launch");
-    return fail(MG_ERROR_INTERNAL, "CUTLASS failed to launch the grouped GEMM: %s",
-                cutlassGetStatusString(status));
-  }
-  MG_CUDA_RETURN(cudaGetLastError());
-  return MG_OK;
+  return launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
 }
 
 template <class G>

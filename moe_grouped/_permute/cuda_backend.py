@@ -25,24 +25,38 @@ def _weights_code(weights: Optional[torch.Tensor], dtype: torch.dtype) -> int:
     return _core.dtype_code(weights.dtype if weights is not None else dtype)
 
 
-def index(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def index(
+    experts: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    num_experts: int,
+    capacity: int,
+    pad_to_capacity: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _core.require()
     num_tokens, top_k = experts.shape
     row_id_map = torch.empty(num_tokens * top_k, dtype=torch.int64, device=experts.device)
     m_splits = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
-    _core.check(
-        lib.mg_permute_index(
-            experts.data_ptr(), _core.dtype_code(experts.dtype), num_tokens, top_k, num_experts,
-            _ptr(row_id_map), _ptr(m_splits), experts.device.index, SLOT_PERMUTE,
-            _core.stream_handle(experts.device),
+    common = (experts.data_ptr(), _core.dtype_code(experts.dtype), num_tokens, top_k, num_experts)
+    tail = (_ptr(row_id_map), _ptr(m_splits), experts.device.index, SLOT_PERMUTE, _core.stream_handle(experts.device))
+    if capacity < 0:
+        _core.check(lib.mg_permute_index(*common, *tail))
+        return row_id_map, m_splits
+    if not hasattr(lib, "mg_permute_index_capacity"):
+        raise RuntimeError(
+            f"the moe_grouped core at {_core.library_path} predates token dropping (no "
+            "mg_permute_index_capacity); rebuild the package"
         )
-    )
+    _core.check(lib.mg_permute_index_capacity(*common, _ptr(probs), capacity, int(pad_to_capacity), *tail))
     return row_id_map, m_splits
 
 
-def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, top_k: int) -> torch.Tensor:
+def permute_rows(
+    x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool
+) -> torch.Tensor:
     lib = _core.require()
-    permuted = x.new_zeros(row_id_map.shape[0], x.shape[1])
+    permuted = x.new_zeros(num_rows, x.shape[1]) if zero_unmapped else x.new_empty(num_rows, x.shape[1])
+    if num_rows == 0:  # nothing to write (and an empty tensor has no address)
+        return permuted
     _core.check(
         lib.mg_permute_rows(
             _ptr(x), _core.dtype_code(x.dtype), x.shape[0], x.shape[1], top_k, _ptr(row_id_map),
@@ -57,6 +71,8 @@ def unpermute_rows(
 ) -> torch.Tensor:
     lib = _core.require()
     num_tokens = row_id_map.shape[0] // top_k
+    if y.shape[0] == 0:  # every copy dropped (capacity 0)
+        return y.new_zeros(num_tokens, y.shape[1])
     out = y.new_empty(num_tokens, y.shape[1])
     _core.check(
         lib.mg_unpermute_rows(
@@ -73,6 +89,8 @@ def unpermute_rows_backward(
     lib = _core.require()
     num_tokens, top_k = weights.shape
     dy = torch.zeros_like(y)
+    if y.shape[0] == 0:  # every copy dropped (capacity 0)
+        return dy, torch.zeros_like(weights)
     dweights = torch.empty_like(weights)
     _core.check(
         lib.mg_unpermute_rows_backward(

@@ -29,13 +29,22 @@ def backend_module(name: str) -> ModuleType:
 
 
 @torch.library.custom_op("moe_grouped::permute_index", mutates_args=())
-def permute_index(experts: torch.Tensor, num_experts: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+def permute_index(
+    experts: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    num_experts: int,
+    capacity: int,
+    pad_to_capacity: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row_id_map [T * top_k], m_splits [E]). ``capacity`` -1: no dropping;
+    ``probs`` None: drop by position, else by these float32 probabilities."""
     with nvtx.range(f"moe_grouped.permute_index[{backend}]"):
-        return backend_module(backend).index(experts, num_experts)
+        return backend_module(backend).index(experts, probs, num_experts, capacity, pad_to_capacity)
 
 
 @permute_index.register_fake
-def _(experts, num_experts, backend):
+def _(experts, probs, num_experts, capacity, pad_to_capacity, backend):
     return (
         experts.new_empty(experts.numel(), dtype=torch.int64),
         experts.new_empty(num_experts, dtype=torch.int64),
@@ -43,18 +52,25 @@ def _(experts, num_experts, backend):
 
 
 @torch.library.custom_op("moe_grouped::permute_rows", mutates_args=())
-def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, backend: str) -> torch.Tensor:
+def permute_rows(
+    x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool, backend: str
+) -> torch.Tensor:
+    """[num_rows, H]: x's token t at the row of each of its copies.
+
+    ``zero_unmapped``: zero the rows no copy maps to. False only when every
+    row has a copy (dropless permute), which saves a pass over the buffer.
+    """
     with nvtx.range(f"moe_grouped.permute_rows[{backend}]"):
-        return backend_module(backend).permute_rows(x, row_id_map, top_k)
+        return backend_module(backend).permute_rows(x, row_id_map, top_k, num_rows, zero_unmapped)
 
 
 @permute_rows.register_fake
-def _(x, row_id_map, top_k, backend):
-    return x.new_empty(row_id_map.shape[0], x.shape[1])
+def _(x, row_id_map, top_k, num_rows, zero_unmapped, backend):
+    return x.new_empty(num_rows, x.shape[1])
 
 
 def _permute_rows_setup_context(ctx, inputs, output):
-    _, row_id_map, top_k, backend = inputs
+    _, row_id_map, top_k, _, _, backend = inputs
     ctx.save_for_backward(row_id_map)
     ctx.top_k, ctx.backend = top_k, backend
 
@@ -63,7 +79,7 @@ def _permute_rows_backward(ctx, grad):
     (row_id_map,) = ctx.saved_tensors
     # Each token's gradient is the sum over its top_k copies: an unweighted unpermute.
     dx = torch.ops.moe_grouped.unpermute_rows(grad.contiguous(), row_id_map, None, ctx.top_k, ctx.backend)
-    return dx, None, None, None
+    return dx, None, None, None, None, None
 
 
 permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup_context)
@@ -86,14 +102,15 @@ def _unpermute_rows_setup_context(ctx, inputs, output):
     y, row_id_map, weights, top_k, backend = inputs
     ctx.has_weights = weights is not None
     ctx.save_for_backward(y if ctx.has_weights else None, row_id_map, weights)
-    ctx.top_k, ctx.backend = top_k, backend
+    ctx.top_k, ctx.num_rows, ctx.backend = top_k, y.shape[0], backend
 
 
 def _unpermute_rows_backward(ctx, grad):
     y, row_id_map, weights = ctx.saved_tensors
     grad = grad.contiguous()
     if not ctx.has_weights:
-        return torch.ops.moe_grouped.permute_rows(grad, row_id_map, ctx.top_k, ctx.backend), None, None, None, None
+        dy = torch.ops.moe_grouped.permute_rows(grad, row_id_map, ctx.top_k, ctx.num_rows, True, ctx.backend)
+        return dy, None, None, None, None
     dy, dweights = torch.ops.moe_grouped.unpermute_rows_backward(grad, y, row_id_map, weights, ctx.backend)
     return dy, None, dweights if ctx.needs_input_grad[2] else None, None, None
 

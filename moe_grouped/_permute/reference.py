@@ -23,29 +23,49 @@ def _refuse_capture(tensor: torch.Tensor) -> None:
         )
 
 
-def index(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def index(
+    experts: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    num_experts: int,
+    capacity: int,
+    pad_to_capacity: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     _refuse_capture(experts)
     buckets: list[list[int]] = [[] for _ in range(num_experts)]
     for copy, expert in enumerate(experts.reshape(-1).tolist()):
         buckets[expert].append(copy)  # copies in increasing order: a stable sort
-    row_id_map = [0] * experts.numel()
+    if capacity >= 0:
+        if probs is not None:  # keep the most probable copies, ties to the lower copy
+            p = probs.reshape(-1).tolist()
+            kept = [set(sorted(bucket, key=lambda c: (-p[c], c))[:capacity]) for bucket in buckets]
+            buckets = [[c for c in bucket if c in keep] for bucket, keep in zip(buckets, kept)]
+        else:  # keep the first copies
+            buckets = [bucket[:capacity] for bucket in buckets]
+    row_id_map = [-1] * experts.numel()
     row = 0
-    for bucket in buckets:
+    for expert, bucket in enumerate(buckets):
+        if pad_to_capacity:
+            row = expert * capacity
         for copy in bucket:
             row_id_map[copy] = row
             row += 1
+    counts = [capacity if pad_to_capacity else len(b) for b in buckets]
     device = experts.device
     return (
         torch.tensor(row_id_map, dtype=torch.int64, device=device),
-        torch.tensor([len(b) for b in buckets], dtype=torch.int64, device=device),
+        torch.tensor(counts, dtype=torch.int64, device=device),
     )
 
 
-def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, top_k: int) -> torch.Tensor:
+def permute_rows(
+    x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool
+) -> torch.Tensor:
     _refuse_capture(x)
-    permuted = x.new_zeros(row_id_map.shape[0], x.shape[1])
+    permuted = x.new_zeros(num_rows, x.shape[1])
     for j in range(top_k):
-        permuted[row_id_map[j::top_k]] = x
+        rows = row_id_map[j::top_k]
+        kept = rows >= 0
+        permuted[rows[kept]] = x[kept]
     return permuted
 
 
@@ -56,8 +76,12 @@ def unpermute_rows(
     acc = compute_dtype(y.dtype)
     out = torch.zeros(row_id_map.shape[0] // top_k, y.shape[1], dtype=acc, device=y.device)
     for j in range(top_k):
-        rows = y[row_id_map[j::top_k]].to(acc)
-        out += rows if weights is None else weights[:, j : j + 1].to(acc) * rows
+        rows = row_id_map[j::top_k]
+        kept = rows >= 0
+        contribution = y[rows[kept]].to(acc)
+        if weights is not None:
+            contribution = weights[kept, j : j + 1].to(acc) * contribution
+        out[kept] += contribution
     return out.to(y.dtype)
 
 
@@ -68,9 +92,11 @@ def unpermute_rows_backward(
     acc = compute_dtype(y.dtype)
     top_k = weights.shape[1]
     dy = torch.zeros_like(y)
-    dweights = torch.empty_like(weights)
+    dweights = torch.zeros_like(weights)
     for j in range(top_k):
         rows = row_id_map[j::top_k]
-        dy[rows] = (weights[:, j : j + 1].to(acc) * dout.to(acc)).to(y.dtype)
-        dweights[:, j] = (dout.to(acc) * y[rows].to(acc)).sum(-1).to(weights.dtype)
+        kept = rows >= 0
+        grad = dout[kept].to(acc)
+        dy[rows[kept]] = (weights[kept, j : j + 1].to(acc) * grad).to(y.dtype)
+        dweights[kept, j] = (grad * y[rows[kept]].to(acc)).sum(-1).to(weights.dtype)
     return dy, dweights

@@ -1,6 +1,9 @@
-"""The ``torch`` permutation backend: a stable argsort and index ops.
+"""The ``torch`` permutation backend: stable argsorts and index ops.
 
 Graph-safe: nothing reads the routing on the host and every shape is static.
+Copies dropped past an expert's capacity (``row_id_map`` -1) are handled
+without host sync: their gathers read a valid row with weight 0, their
+scatters go to a spare row that is cut off.
 """
 
 from __future__ import annotations
@@ -14,33 +17,80 @@ from ..ops.common import compute_dtype
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def index(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _positions(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation: where each element went in ``order``."""
+    ranks = torch.arange(order.shape[0], dtype=torch.int64, device=order.device)
+    return torch.empty_like(order).scatter_(0, order, ranks)
+
+
+def index(
+    experts: torch.Tensor,
+    probs: Optional[torch.Tensor],
+    num_experts: int,
+    capacity: int,
+    pad_to_capacity: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     flat = experts.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)  # rows in (expert, copy) order
-    copies = torch.arange(flat.shape[0], dtype=torch.int64, device=flat.device)
-    row_id_map = torch.empty_like(order).scatter_(0, order, copies)
-    m_splits = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    m_splits.scatter_add_(0, flat, torch.ones_like(flat))
-    return row_id_map, m_splits
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    if capacity < 0:
+        return _positions(torch.argsort(flat, stable=True)), counts  # rows in (expert, copy) order
+    # Each copy's rank among its expert's copies in the order of priority:
+    # copy order, or probability descending (ties: copy order).
+    if probs is None:
+        order = torch.argsort(flat, stable=True)
+    else:
+        by_prob = torch.argsort(-probs.reshape(-1), stable=True)
+        order = by_prob.index_select(0, torch.argsort(flat.index_select(0, by_prob), stable=True))
+    starts = torch.cumsum(counts, 0) - counts
+    rank = _positions(order) - starts.index_select(0, flat)
+    kept = rank < capacity
+    # Kept copies in (expert, copy) order first, the dropped ones after them.
+    position = _positions(torch.argsort(torch.where(kept, flat, num_experts), stable=True))
+    kept_counts = counts.clamp(max=capacity)
+    if pad_to_capacity:
+        kept_starts = torch.cumsum(kept_counts, 0) - kept_counts
+        rows = flat * capacity + position - kept_starts.index_select(0, flat)
+        m_splits = torch.full_like(counts, capacity)
+    else:
+        rows, m_splits = position, kept_counts
+    return torch.where(kept, rows, -1), m_splits
 
 
-def _source_tokens(row_id_map: torch.Tensor, top_k: int) -> torch.Tensor:
-    """The token each permuted row copies (the inverse of ``row_id_map``)."""
-    copies = torch.arange(row_id_map.shape[0], dtype=torch.int64, device=row_id_map.device)
-    return torch.empty_like(row_id_map).scatter_(0, row_id_map, copies // top_k)
+def permute_rows(
+    x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool
+) -> torch.Tensor:
+    num_tokens = x.shape[0]
+    copies = torch.arange(row_id_map.shape[0], dtype=torch.int64, device=x.device)
+    if not zero_unmapped:  # row_id_map is a permutation: invert it
+        source = torch.empty_like(row_id_map).scatter_(0, row_id_map, copies // top_k)
+        return x.index_select(0, source)
+    # The token each row copies; num_tokens (a zero row appended to x) for
+    # rows no copy maps to. Dropped copies write to a spare last entry.
+    target = torch.where(row_id_map >= 0, row_id_map, num_rows)
+    source = torch.full((num_rows + 1,), num_tokens, dtype=torch.int64, device=x.device)
+    source = source.scatter_(0, target, copies // top_k)[:num_rows]
+    return torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, source)
 
 
-def permute_rows(x: torch.Tensor, row_id_map: torch.Tensor, top_k: int) -> torch.Tensor:
-    return x.index_select(0, _source_tokens(row_id_map, top_k))
+def _gather_copies(y: torch.Tensor, row_id_map: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[T, top_k, H] in the accumulation dtype: each copy's row (row 0 for a dropped copy)."""
+    acc = compute_dtype(y.dtype)
+    if y.shape[0] == 0:  # every copy dropped (capacity 0)
+        return y.new_zeros(row_id_map.shape[0] // top_k, top_k, y.shape[1], dtype=acc)
+    return y.index_select(0, row_id_map.clamp(min=0)).view(-1, top_k, y.shape[1]).to(acc)
 
 
 def unpermute_rows(
     y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int
 ) -> torch.Tensor:
     acc = compute_dtype(y.dtype)
-    gathered = y.index_select(0, row_id_map).view(-1, top_k, y.shape[1]).to(acc)
-    if weights is not None:
-        gathered = gathered * weights.to(acc).unsqueeze(-1)
+    gathered = _gather_copies(y, row_id_map, top_k)
+    kept = (row_id_map >= 0).view(-1, top_k, 1)
+    if weights is None:
+        gathered = torch.where(kept, gathered, 0)
+    else:  # a dropped copy's weight is 0
+        gathered = gathered * torch.where(kept, weights.to(acc).unsqueeze(-1), 0)
     return gathered.sum(dim=1).to(y.dtype)
 
 
@@ -49,9 +99,11 @@ def unpermute_rows_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     acc = compute_dtype(y.dtype)
     top_k = weights.shape[1]
+    num_rows = y.shape[0]
     grad = dout.to(acc).unsqueeze(1)  # [T, 1, H]
     per_copy = (weights.to(acc).unsqueeze(-1) * grad).to(y.dtype).view(-1, y.shape[1])
-    dy = torch.zeros_like(y).index_copy_(0, row_id_map, per_copy)
-    gathered = y.index_select(0, row_id_map).view(-1, top_k, y.shape[1]).to(acc)
-    dweights = (gathered * grad).sum(dim=-1).to(weights.dtype)
-    return dy, dweights
+    target = torch.where(row_id_map >= 0, row_id_map, num_rows)  # dropped copies: the spare row
+    dy = y.new_zeros(num_rows + 1, y.shape[1]).index_copy_(0, target, per_copy)[:num_rows]
+    kept = (row_id_map >= 0).view(-1, top_k)
+    dweights = (_gather_copies(y, row_id_map, top_k) * grad).sum(dim=-1)
+    return dy, torch.where(kept, dweights, 0).to(weights.dtype)

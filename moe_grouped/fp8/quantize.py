@@ -1,22 +1,38 @@
-"""Grouped FP8 1x128 quantization on the GPU through the CUDA core.
+"""FP8 block quantization on the GPU through the CUDA core.
 
-Row-wise blocks serve the fprop and dgrad operands; the grouped column-wise
-copy is the operand layout of a wgrad GEMM that reduces over each expert's
-tokens (see :func:`quantize_columnwise_grouped`). Both read ``m_splits`` only
-on the device and can be captured in CUDA graphs.
+Row-wise 1x128 blocks serve the fprop and dgrad operands; the grouped
+column-wise copy is the operand layout of the FP8 wgrad GEMM, which reduces
+over each expert's tokens (see :func:`quantize_columnwise_grouped`);
+:func:`quantize_grouped` makes both, and the fused dbias, from one read of
+the tokens; :func:`quantize_weights_128x128` makes the 128x128 weight blocks
+and their transposed copy. All read ``m_splits`` only on the device and can
+be captured in CUDA graphs (run one eager call first: it sizes the
+workspace). On CPU tensors each falls back to the reference (which returns
+new tensors, zero where the kernels leave padding untouched, and ignores
+``out``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .. import _checks, _core
-from .quantize_reference import BlockQuantized, quantize_1x128
+from .quantize_reference import (
+    BlockQuantized,
+    GroupedQuantized,
+    WeightQuantized,
+    columnwise_padded_rows,
+    columnwise_scale_rows,
+    quantize_1x128,
+    quantize_grouped_128x128,
+    quantize_grouped_1x128,
+)
 from .recipe import BLOCK
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _config(fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> _core.QuantizeConfig:
@@ -25,12 +41,50 @@ def _config(fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> _
     return _core.QuantizeConfig(_core.dtype_code(fp8_dtype), int(bool(pow2_scales)), float(amax_epsilon))
 
 
-def _require_core(x: torch.Tensor) -> None:
+def _core_function(x: torch.Tensor, name: str):
+    """The core's ``name``, or an error saying why it cannot run on ``x``."""
     if not x.is_cuda:
         raise ValueError(f"the CUDA quantizer needs a CUDA tensor, got one on {x.device}")
-    _core.require()
+    library = _core.require()
     if not _core.has(_core.CAP_FP8_QUANTIZE):
         raise RuntimeError("the CUDA core was built without its FP8 quantize kernels")
+    function = getattr(library, name, None)
+    if function is None:
+        raise RuntimeError(f"the CUDA core at {_core.library_path} lacks {name}; rebuild the package")
+    return function
+
+
+def _device_index(x: torch.Tensor) -> int:
+    return x.device.index if x.device.index is not None else torch.cuda.current_device()
+
+
+def _check_buffer(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tuple(tensor.shape) != tuple(shape)
+        or tensor.dtype != dtype
+        or tensor.device != device
+        or not tensor.is_contiguous()
+    ):
+        got = (
+            f"{tuple(tensor.shape)} of {tensor.dtype} on {tensor.device}"
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
+        raise ValueError(f"out must hold {name} {tuple(shape)} of {dtype} on {device} (contiguous), got {got}")
+
+
+def _block_buffers(
+    name: str, out: Optional[BlockQuantized], data_shape: tuple, scale_shape: tuple, fp8_dtype, device
+) -> BlockQuantized:
+    if out is None:
+        return BlockQuantized(
+            torch.empty(data_shape, dtype=fp8_dtype, device=device),
+            torch.empty(scale_shape, dtype=torch.float32, device=device),
+        )
+    _check_buffer(f"{name} data", out.data, data_shape, fp8_dtype, device)
+    _check_buffer(f"{name} scale_inv", out.scale_inv, scale_shape, torch.float32, device)
+    return out
 
 
 def quantize_rowwise(
@@ -40,16 +94,16 @@ def quantize_rowwise(
 
     On CUDA tensors this runs the core's kernel; elsewhere the reference.
     """
-    _checks.check_tensor("x", x, dim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     if not x.is_cuda:
         return quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon)
-    _require_core(x)
+    function = _core_function(x, "mg_quantize_rowwise_1x128")
     config = _config(fp8_dtype, pow2_scales, amax_epsilon)
     rows, cols = x.shape
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty(rows, -(-cols // BLOCK), dtype=torch.float32, device=x.device)
     _core.check(
-        _core.lib.mg_quantize_rowwise_1x128(
+        function(
             x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, config,
             data.data_ptr(), scale_inv.data_ptr(), _core.stream_handle(x.device),
         )
@@ -57,14 +111,9 @@ def quantize_rowwise(
     return BlockQuantized(data, scale_inv)
 
 
-def columnwise_scale_columns(rows: int, num_groups: int) -> int:
-    """Width of the column-wise scale tensor: room for every group's blocks."""
-    return -(-rows // BLOCK) + num_groups
-
-
 def quantize_columnwise_grouped(
     x: torch.Tensor,
-    m_splits: torch.Tensor,
+    m_splits: _checks.SplitsLike,
     fp8_dtype: torch.dtype,
     pow2_scales: bool = True,
     amax_epsilon: float = 0.0,
@@ -74,33 +123,133 @@ def quantize_columnwise_grouped(
 ) -> BlockQuantized:
     """Per expert e, ``X_e^T`` quantized in 1x128 blocks along its tokens.
 
-    Returns data [K, M] (expert e in columns [o_e, o_e + m_e)) and scale_inv
-    [K, ceil(M / 128) + E] (expert e's blocks in columns [b_e, b_e +
-    ceil(m_e / 128)) with b_e = sum of ceil(m_j / 128) over j < e; columns past
-    the last block are not written). ``out`` reuses buffers of those shapes.
+    For x [M, K] and E experts, returns data [K, columnwise_padded_rows(M, E)]
+    (expert e's m_e tokens in columns [p_e, p_e + m_e), p_e = sum over j < e
+    of round_up(m_j, 16)) and scale_inv [columnwise_scale_rows(M, E), K]
+    (expert e's 128-token blocks in rows [b_e, b_e + ceil(m_e / 128)),
+    b_e = sum over j < e of ceil(m_j / 128)). Positions no expert owns are
+    not written. ``out`` reuses buffers of those shapes.
     """
-    _checks.check_tensor("x", x, dim=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
-    _require_core(x)
+    return quantize_grouped(
+        x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, rowwise=False, dbias=False,
+        workspace_slot=workspace_slot,
+        out=None if out is None else GroupedQuantized(None, out, None),
+    ).columnwise
+
+
+def quantize_grouped(
+    x: torch.Tensor,
+    m_splits: _checks.SplitsLike,
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    *,
+    rowwise: bool = True,
+    dbias: bool = False,
+    workspace_slot: int = _core.SLOT_WGRAD,
+    out: Optional[GroupedQuantized] = None,
+) -> GroupedQuantized:
+    """One pass over x [M, K]: the grouped column-wise copy, and optionally the
+    row-wise copy and the per-expert column sums (dbias, float32 [E, K]).
+
+    The layouts are those of :func:`quantize_rowwise` and
+    :func:`quantize_columnwise_grouped`, bit for bit; dbias is summed in a
+    fixed order (see :func:`grouped_column_sums`), so it is deterministic.
+    ``out`` reuses buffers; its fields must match ``rowwise`` and ``dbias``.
+    With dbias the workspace slot holds per-block column sums
+    (4 * K * (ceil(M / 128) + E) bytes).
+    """
+    _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     rows, cols = x.shape
-    num_groups = m_splits.shape[0] if isinstance(m_splits, torch.Tensor) else len(m_splits)
-    splits = _checks.normalize_splits(m_splits, num_groups, rows, x.device)
+    if isinstance(m_splits, torch.Tensor):
+        num_groups = m_splits.shape[0] if m_splits.dim() == 1 else -1
+    else:
+        num_groups = len(m_splits)
+    if num_groups < 1:
+        raise ValueError(f"m_splits must be 1-D with one count per expert, got {m_splits!r}")
+    if not x.is_cuda:
+        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device).tolist()
+        return quantize_grouped_1x128(x, counts, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, dbias=dbias)
+    name = "mg_quantize_rowwise_columnwise_grouped_1x128" if rowwise else "mg_quantize_columnwise_grouped_1x128"
+    function = _core_function(x, name)
     config = _config(fp8_dtype, pow2_scales, amax_epsilon)
-    shapes = ((cols, rows), (cols, columnwise_scale_columns(rows, num_groups)))
-    if out is None:
-        out = BlockQuantized(
-            torch.empty(shapes[0], dtype=fp8_dtype, device=x.device),
-            torch.empty(shapes[1], dtype=torch.float32, device=x.device),
-        )
-    elif tuple(out.data.shape) != shapes[0] or tuple(out.scale_inv.shape) != shapes[1] or out.data.dtype != fp8_dtype:
+    splits = _checks.normalize_splits(m_splits, num_groups, rows, x.device)
+    if out is not None and ((out.rowwise is None) == rowwise or (out.dbias is None) == dbias):
         raise ValueError(
-            f"out must hold data {shapes[0]} of {fp8_dtype} and scale_inv {shapes[1]}, got "
-            f"{tuple(out.data.shape)} of {out.data.dtype} and {tuple(out.scale_inv.shape)}"
+            f"out must have rowwise {'set' if rowwise else 'None'} and dbias {'set' if dbias else 'None'} "
+            f"to match rowwise={rowwise} and dbias={dbias}"
         )
+    columnwise = _block_buffers(
+        "columnwise", None if out is None else out.columnwise,
+        (cols, columnwise_padded_rows(rows, num_groups)), (columnwise_scale_rows(rows, num_groups), cols),
+        fp8_dtype, x.device,
+    )
+    row_buffers = None
+    if rowwise:
+        row_buffers = _block_buffers(
+            "rowwise", None if out is None else out.rowwise, (rows, cols), (rows, -(-cols // BLOCK)),
+            fp8_dtype, x.device,
+        )
+    sums = None
+    if dbias:
+        sums = out.dbias if out is not None else torch.empty(num_groups, cols, dtype=torch.float32, device=x.device)
+        _check_buffer("dbias", sums, (num_groups, cols), torch.float32, x.device)
+    head = (x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, splits.data_ptr(), _core.dtype_code(splits.dtype),
+            num_groups, config)
+    rowwise_args = (row_buffers.data.data_ptr(), row_buffers.scale_inv.data_ptr()) if rowwise else ()
+    tail = (columnwise.data.data_ptr(), columnwise.scale_inv.data_ptr(), None if sums is None else sums.data_ptr(),
+            _device_index(x), workspace_slot, _core.stream_handle(x.device))
+    _core.check(function(*head, *rowwise_args, *tail))
+    return GroupedQuantized(row_buffers, columnwise, sums)
+
+
+def quantize_weights_128x128(
+    weights: Union[torch.Tensor, Sequence[torch.Tensor]],
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    *,
+    transpose: bool = True,
+    out: Optional[WeightQuantized] = None,
+) -> WeightQuantized:
+    """Grouped weights in 128x128 blocks: one [E, N, K] tensor (or ``[W]``),
+    or E tensors [N, K] of one dtype.
+
+    Returns ``w``: data [E, N, K], scale_inv [E, ceil(N / 128), ceil(K / 128)]
+    and, with ``transpose``, ``wt``: data [E, K, N] (the same fp8 values
+    transposed, for dgrad) and scale_inv [E, ceil(K / 128), ceil(N / 128)].
+    Separate expert tensors are passed to the core as a device array of their
+    addresses, cached by address: under CUDA graphs, quantize them eagerly once
+    before capturing (or use one [E, N, K] tensor).
+    """
+    experts = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    if isinstance(weights, torch.Tensor) and weights.dim() != 3:
+        raise ValueError(f"weights must be [E, N, K] or a list of E tensors [N, K], got shape {tuple(weights.shape)}")
+    num_groups, n, k = _checks.check_weights(experts)
+    if experts[0].dtype not in _INPUT_DTYPES:
+        raise TypeError(f"weights must be float32, float16 or bfloat16, got {experts[0].dtype}")
+    device = experts[0].device
+    if not experts[0].is_cuda:
+        return quantize_grouped_128x128(experts, fp8_dtype, pow2_scales, amax_epsilon, transpose=transpose)
+    function = _core_function(experts[0], "mg_quantize_weight_128x128")
+    config = _config(fp8_dtype, pow2_scales, amax_epsilon)
+    if out is not None and (out.wt is None) == transpose:
+        raise ValueError(f"out.wt must be {'set' if transpose else 'None'} to match transpose={transpose}")
+    row_tiles, col_tiles = -(-n // BLOCK), -(-k // BLOCK)
+    w = _block_buffers("w", None if out is None else out.w, (num_groups, n, k), (num_groups, row_tiles, col_tiles),
+                       fp8_dtype, device)
+    wt = None
+    if transpose:
+        wt = _block_buffers("wt", None if out is None else out.wt, (num_groups, k, n),
+                            (num_groups, col_tiles, row_tiles), fp8_dtype, device)
+    from ..ops.cuda_backend import _operand  # the GEMMs' operand and address-array cache
+
     _core.check(
-        _core.lib.mg_quantize_columnwise_grouped_1x128(
-            x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, splits.data_ptr(),
-            _core.dtype_code(splits.dtype), num_groups, config, out.data.data_ptr(),
-            out.scale_inv.data_ptr(), x.device.index, workspace_slot, _core.stream_handle(x.device),
+        function(
+            _operand(experts), _core.dtype_code(experts[0].dtype), num_groups, n, k, config,
+            w.data.data_ptr(), w.scale_inv.data_ptr(),
+            None if wt is None else wt.data.data_ptr(), None if wt is None else wt.scale_inv.data_ptr(),
+            _core.stream_handle(device),
         )
     )
-    return out
+    return WeightQuantized(w, wt)

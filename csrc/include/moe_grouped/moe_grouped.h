@@ -40,7 +40,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration below changes meaning. */
-#define MG_ABI_VERSION 1
+#define MG_ABI_VERSION 2
 
 typedef enum mg_status {
   MG_OK = 0,
@@ -176,12 +176,14 @@ MG_API mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy,
                                   void* dbias, mg_dtype dbias_dtype,
                                   void* stream);
 
-/* ---- FP8 block quantization (1x128) --------------------------------------
+/* ---- FP8 block quantization (1x128 and 128x128) ----------------------------
  * Scales follow TransformerEngine's block-scaling rules: per block
  * amax' = max(amax, amax_epsilon); scale = fp8_max / amax' (1 when amax' is 0,
  * inf or NaN; FLT_MAX when the quotient overflows); with pow2_scales the
  * scale is rounded down to a power of two. Stored: fp8(x * scale) (round to
- * nearest, saturating) and scale_inv = 1 / scale.                          */
+ * nearest, saturating) and scale_inv = 1 / scale. A block that overhangs the
+ * matrix takes its amax over the part inside. MG_CAP_FP8_QUANTIZE covers
+ * every function of this section.                                          */
 typedef struct mg_quantize_config {
   mg_dtype fp8_dtype;  /* MG_FLOAT8_E4M3 or MG_FLOAT8_E5M2 */
   int pow2_scales;     /* non-zero: power-of-two scales */
@@ -194,41 +196,139 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
                                            int64_t cols, mg_quantize_config config, void* q,
                                            float* scale_inv, void* stream);
 
-/* Column-wise per group, the operand layout of a wgrad GEMM that reduces over
- * the tokens: for group e (rows [o_e, o_e + m_e) of x[rows, cols]) the
- * transposed X_e^T is quantized in 1x128 blocks along its tokens, blocks
- * restarting at the group's first row.
- *   qt[cols, rows] fp8: group e in columns [o_e, o_e + m_e);
- *   scale_inv_t[cols, scale_columns] fp32 with
- *   scale_columns = ceil(rows / 128) + num_groups: group e's blocks in
- *   columns [b_e, b_e + ceil(m_e / 128)), b_e = sum_{j<e} ceil(m_j / 128);
- *   columns past the last block are left untouched.
- * Offsets come from device m_splits (clamped like mg_grouped_setup) through
- * the (device, workspace_slot) workspace.                                  */
+/* Column-wise per group: the operand layout of the FP8 wgrad GEMM, which
+ * reduces over each group's tokens. Group e is rows [o_e, o_e + m_e) of
+ * x[rows, cols] (m_splits on the device, clamped like mg_grouped_setup); its
+ * transpose X_e^T [cols, m_e] is quantized in 1x128 blocks along the tokens,
+ * blocks restarting at the group's first token. With
+ *   p_e = sum_{j<e} round_up(m_j, 16)   (16-byte aligned group starts)
+ *   b_e = sum_{j<e} ceil(m_j / 128):
+ *   qt[cols, padded_rows] fp8, padded_rows = round_up(rows, 16) + 16 * E:
+ *     qt[c, p_e + t] = token t of group e, column c, for t < m_e;
+ *   scale_inv_t[scale_rows, cols] fp32, scale_rows = ceil(rows / 128) + E:
+ *     scale_inv_t[b_e + j, c] = block j (tokens [128 j, 128 j + 128)) of
+ *     group e, column c: per group a packed [ceil(m_e / 128), cols] matrix;
+ *   dbias[E, cols] fp32 (may be NULL): the column sums of each group in
+ *     fp32, zero for an empty group. Deterministic: per 128-token block, each
+ *     16-token segment is summed in token order, the eight segment sums
+ *     pairwise ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); block sums
+ *     j = w, w + 8, ... are added in order into eight running sums w = 0..7,
+ *     which are then added in order w = 0..7.
+ * Columns of qt and rows of scale_inv_t that no group owns are not written.
+ * The group layout (3 * (E + 1) int64) and, with dbias, per-block column
+ * sums ((ceil(rows / 128) + E) * cols fp32) live in the (device,
+ * workspace_slot) workspace: size it with one eager call before capture.   */
 MG_API mg_status mg_quantize_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt,
-    float* scale_inv_t, int device, int workspace_slot, void* stream);
+    float* scale_inv_t, float* dbias, int device, int workspace_slot, void* stream);
+
+/* Row-wise and column-wise from one read of x (the backward's dY, the
+ * forward's X): q and scale_inv as mg_quantize_rowwise_1x128 (every row,
+ * also rows past the groups when m_splits sums to less than rows), qt,
+ * scale_inv_t and the optional dbias as mg_quantize_columnwise_grouped_1x128,
+ * bit for bit.                                                              */
+MG_API mg_status mg_quantize_rowwise_columnwise_grouped_1x128(
+    const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
+    mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* q,
+    float* scale_inv, void* qt, float* scale_inv_t, float* dbias, int device,
+    int workspace_slot, void* stream);
+
+/* Weights in 128x128 blocks: w [E][n, k] (bf16, fp16 or fp32; see
+ * mg_group_operand) -> q[E, n, k] fp8 and scale_inv[E, ceil(n / 128),
+ * ceil(k / 128)] fp32, one scale per 128x128 block. When qt is not NULL, also
+ * the transposed copy the dgrad GEMM reads: qt[E, k, n] with
+ * qt[e, c, r] = q[e, r, c] and scale_inv_t[E, ceil(k / 128), ceil(n / 128)],
+ * the transposed scale matrix.                                             */
+MG_API mg_status mg_quantize_weight_128x128(mg_group_operand w, mg_dtype w_dtype,
+                                            int num_groups, int64_t n, int64_t k,
+                                            mg_quantize_config config, void* q,
+                                            float* scale_inv, void* qt, float* scale_inv_t,
+                                            void* stream);
+
+/* ---- FP8 block-scaled grouped GEMMs (sm_90a) ------------------------------
+ * DeepSeek-V3 / TransformerEngine Float8BlockScaling: activations and
+ * gradients quantized in 1x128 blocks, weights in 128x128 blocks; products
+ * accumulate in fp32 and are promoted (scaled and added to an fp32 sum) at
+ * every 128-deep block of the reduction. The operands come from the
+ * quantizers above; p->dtype is the high-precision dtype of y, dx and bias
+ * (MG_BFLOAT16). n and k must be multiples of 16 (16-byte fp8 rows for TMA).
+ * Per-group pointers, shapes and scale pointers are written by a setup
+ * kernel into the (device, p->workspace_slot) workspace, as for the 16-bit
+ * GEMMs.                                                                   */
+typedef struct mg_fp8_operand {
+  const void* data;        /* fp8 values */
+  const float* scale_inv;  /* their block scales (dequantize: multiply) */
+  mg_dtype dtype;          /* MG_FLOAT8_E4M3 or MG_FLOAT8_E5M2 */
+} mg_fp8_operand;
+
+/* Bytes of workspace an FP8 GEMM of `kind` needs (reserve before capture). */
+MG_API mg_status mg_grouped_fp8_workspace_size(const mg_grouped_problem* p,
+                                               mg_gemm_kind kind,
+                                               size_t* out_bytes);
+/* y[M, N] (p->dtype) = x . W^T (+ bias[E, N] in p->dtype, or NULL)
+ *   x: E4M3 [M, K], scale_inv [M, ceil(K / 128)]  (row-wise 1x128)
+ *   w: E4M3 [E, N, K], scale_inv [E, ceil(N / 128), ceil(K / 128)]      */
+MG_API mg_status mg_grouped_fp8_fprop(const mg_grouped_problem* p,
+                                      mg_fp8_operand x, mg_fp8_operand w,
+                                      const void* bias, void* y, void* stream);
+/* dx[M, K] (p->dtype) = dy . W
+ *   dy: E4M3 or E5M2 [M, N], scale_inv [M, ceil(N / 128)]  (row-wise)
+ *   wt: W transposed, E4M3 [E, K, N], scale_inv [E, ceil(K / 128),
+ *       ceil(N / 128)]  (the qt output of the 128x128 weight quantizer)  */
+MG_API mg_status mg_grouped_fp8_dgrad(const mg_grouped_problem* p,
+                                      mg_fp8_operand dy, mg_fp8_operand wt,
+                                      void* dx, void* stream);
+/* dW_e[N, K] (dw_dtype: fp32 or p->dtype) = dy_e^T . x_e, or += when
+ * accumulate != 0. Both operands in the grouped column-wise layout of
+ * mg_quantize_columnwise_grouped_1x128 over the same m_splits:
+ *   dyt: E4M3 or E5M2 [N, padded_rows], scale_inv [scale_rows, N]
+ *   xt:  E4M3 [K, padded_rows], scale_inv [scale_rows, K]
+ * A group with m_e = 0 gets zeros, or is left untouched when accumulating. */
+MG_API mg_status mg_grouped_fp8_wgrad(const mg_grouped_problem* p,
+                                      mg_fp8_operand dyt, mg_fp8_operand xt,
+                                      mg_group_operand dw, mg_dtype dw_dtype,
+                                      int accumulate, void* stream);
 
 /* ---- token permutation (MoE dispatch and combine) ------------------------
  * Token copy i = t * top_k + j is token t's j-th routing choice; there are
- * n = num_tokens * top_k copies and the permuted buffer has n rows (static).
- * row_id_map[n] (int64) gives each copy's row in the permuted buffer, -1 for
- * a copy that has none (an expert index outside [0, num_experts)). Rows are
+ * n = num_tokens * top_k copies. row_id_map[n] (int64) gives each copy's row
+ * in the permuted buffer, -1 for a copy that has none (an expert index
+ * outside [0, num_experts), or dropped past an expert's capacity). Rows are
  * ordered by (expert, copy index): a stable sort, deterministic.           */
 #define MG_SLOT_PERMUTE 2 /* the workspace slot Python uses for permutation */
 
 /* experts[num_tokens, top_k] (int32 or int64) -> row_id_map[n] and
- * m_splits[num_experts] (int64 token copies per expert). Scratch of
- * 4 * num_experts * ceil(n / 256) bytes comes from the (device,
- * workspace_slot) workspace. num_experts <= 1024.                         */
+ * m_splits[num_experts] (int64 token copies per expert); the permuted
+ * buffer has n rows. Scratch (about 4 * num_experts * ceil(n / 256) bytes)
+ * comes from the (device, workspace_slot) workspace. num_experts <= 4096.  */
 MG_API mg_status mg_permute_index(const void* experts, mg_dtype experts_dtype,
                                   int64_t num_tokens, int top_k, int num_experts,
                                   int64_t* row_id_map, int64_t* m_splits,
                                   int device, int workspace_slot, void* stream);
-/* permuted[row_id_map[t * top_k + j], :] = x[t, :]. x and permuted have
- * `dtype` (fp32, fp16 or bf16), hidden columns; rows no copy maps to are
- * left untouched.                                                          */
+/* mg_permute_index with an expert capacity (token dropping, static shapes):
+ * each expert keeps at most `capacity` (0 <= capacity < 2^31 - 1) of its
+ * copies; the others get row -1. Which ones it keeps:
+ *   probs == NULL: the first `capacity` in copy (token) order;
+ *   probs [num_tokens, top_k] fp32 (the routing probabilities): the
+ *     `capacity` with the highest probability, ties to the lower copy index
+ *     (-0.0 counts as +0.0; NaN order is unspecified).
+ * Kept copies keep the (expert, copy index) row order. Packed
+ * (pad_to_capacity = 0): expert e's rows follow expert e - 1's, the buffer
+ * needs min(n, num_experts * capacity) rows and m_splits[e] = kept copies.
+ * Padded (pad_to_capacity != 0): expert e's rows start at e * capacity, the
+ * buffer has num_experts * capacity rows (< 2^31) and m_splits[e] = capacity.
+ * Dropping by probability adds 25 * n bytes plus a radix sort's scratch to
+ * the workspace.                                                           */
+MG_API mg_status mg_permute_index_capacity(const void* experts, mg_dtype experts_dtype,
+                                           int64_t num_tokens, int top_k, int num_experts,
+                                           const float* probs, int64_t capacity,
+                                           int pad_to_capacity, int64_t* row_id_map,
+                                           int64_t* m_splits, int device, int workspace_slot,
+                                           void* stream);
+/* permuted[row_id_map[t * top_k + j], :] = x[t, :] for the copies with a
+ * row. x and permuted have `dtype` (fp32, fp16 or bf16), hidden columns;
+ * rows no copy maps to are left untouched.                                 */
 MG_API mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_tokens,
                                  int64_t hidden, int top_k, const int64_t* row_id_map,
                                  void* permuted, void* stream);

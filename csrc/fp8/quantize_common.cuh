@@ -1,0 +1,141 @@
+// Shared by the FP8 block quantizers (grouped_quantize.cu, weight_quantize.cu):
+// the scale rule, the fp8 conversion, argument checks and dtype dispatch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cfloat>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/error.h"
+#include "moe_grouped/moe_grouped.h"
+
+namespace moe_grouped::quantize {
+
+constexpr int kBlock = 128;    // elements per scaling block (1x128 and 128x128)
+constexpr int kThreads = 256;  // threads per CTA of every quantize kernel
+
+__device__ inline float to_float(float v) { return v; }
+__device__ inline float to_float(__half v) { return __half2float(v); }
+__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// TransformerEngine's block-scaling scale rule (see the C ABI header).
+__device__ inline float compute_scale(float amax, float fp8_max, bool pow2, float epsilon) {
+  if (amax < epsilon) amax = epsilon;
+  if (isinf(amax) || amax == 0.f || isnan(amax)) return 1.f;
+  float scale = __fdiv_rn(fp8_max, amax);
+  if (isinf(scale)) scale = FLT_MAX;
+  if (pow2) scale = __uint_as_float(__float_as_uint(scale) & 0xFF800000u);
+  return scale;
+}
+
+template <bool kE4M3>
+__device__ inline uint32_t to_fp8(float v) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Two values converted at once: x.x in the low byte, x.y in the high byte.
+template <bool kE4M3>
+__device__ inline uint32_t to_fp8x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, kE4M3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Sixteen values scaled and converted, packed little-endian for one 16-byte
+// store: value i lands at byte i.
+template <bool kE4M3>
+__device__ inline uint4 pack_fp8x16(const float (&v)[16], float scale) {
+  uint32_t words[4];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    words[w] = to_fp8x2<kE4M3>(v[4 * w] * scale, v[4 * w + 1] * scale) |
+               to_fp8x2<kE4M3>(v[4 * w + 2] * scale, v[4 * w + 3] * scale) << 16;
+  }
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+__device__ inline uint8_t byte_of(const uint4& packed, int i) {
+  const uint32_t word = i < 4 ? packed.x : i < 8 ? packed.y : i < 12 ? packed.z : packed.w;
+  return static_cast<uint8_t>(word >> (8 * (i % 4)));
+}
+
+// Stores the first `count` (<= 16) bytes of `packed` at dst: one 16-byte
+// store when all sixteen go and `vector` says dst is 16-byte aligned.
+__device__ inline void store_fp8x16(uint8_t* dst, const uint4& packed, int count, bool vector) {
+  if (vector && count >= 16) {
+    *reinterpret_cast<uint4*>(dst) = packed;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    if (i < count) dst[i] = byte_of(packed, i);
+  }
+}
+
+__device__ inline float warp_max_xor(float v, int lanes) {
+  for (int offset = lanes / 2; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+inline mg_status check_fp8_config(const mg_quantize_config& config, float* fp8_max) {
+  if (config.fp8_dtype == MG_FLOAT8_E4M3) {
+    *fp8_max = 448.f;
+  } else if (config.fp8_dtype == MG_FLOAT8_E5M2) {
+    *fp8_max = 57344.f;
+  } else {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "fp8_dtype must be float8_e4m3fn or float8_e5m2, got %s",
+                dtype_name(config.fp8_dtype));
+  }
+  if (!(config.amax_epsilon >= 0.f)) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "amax_epsilon must be non-negative, got %g",
+                static_cast<double>(config.amax_epsilon));
+  }
+  return MG_OK;
+}
+
+inline mg_status check_input_dtype(const char* name, mg_dtype dtype) {
+  if (dtype != MG_BFLOAT16 && dtype != MG_FLOAT16 && dtype != MG_FLOAT32) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s must be bfloat16, float16 or float32, got %s", name,
+                dtype_name(dtype));
+  }
+  return MG_OK;
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<T>{}, std::bool_constant<kE4M3>{}) for the input dtype and
+// fp8 format, so that kernels are instantiated for every pair.
+template <typename F>
+void dispatch_types(mg_dtype x_dtype, mg_dtype fp8_dtype, F&& f) {
+  auto with_format = [&](auto tag) {
+    if (fp8_dtype == MG_FLOAT8_E4M3) {
+      f(tag, std::true_type{});
+    } else {
+      f(tag, std::false_type{});
+    }
+  };
+  switch (x_dtype) {
+    case MG_BFLOAT16: with_format(TypeTag<__nv_bfloat16>{}); break;
+    case MG_FLOAT16: with_format(TypeTag<__half>{}); break;
+    default: with_format(TypeTag<float>{}); break;
+  }
+}
+
+// Calls f(std::bool_constant<value>{}).
+template <typename F>
+void dispatch_bool(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+__host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+}  // namespace moe_grouped::quantize

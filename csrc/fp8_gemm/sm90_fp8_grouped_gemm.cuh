@@ -1,0 +1,341 @@
+// SM90 FP8 grouped GEMMs with block scaling, on CUTLASS's ptr-array
+// "FP8 blockwise" mainloop: fp8 wgmma into fp32 registers, promoted with the
+// A and B block scales at every 128-deep K block. Like the 16-bit kernels
+// (gemm/sm90_grouped_gemm.cuh) they are driven entirely from device memory:
+// a one-block setup kernel turns m_splits into per-group shapes, data and
+// scale pointers and strides in the workspace.
+//
+// Hopper's fp8 wgmma reads both operands K-major, so every operand here is
+// K-major (A row-major, B "column-major"), and the quantizers lay the data
+// out that way. Per expert e with m_e tokens at row offset o_e (CUTLASS
+// M x N x K):
+//   fprop  M=m_e, N=n, K=k:  A = xq[o_e:, :k], scales xs[o_e:, :] (1 x 128,
+//          K-major, ceil(k/128) per row); B = Wq_e [n, k], scales
+//          [ceil(n/128), ceil(k/128)] (128 x 128, K-major).
+//   dgrad  M=m_e, N=k, K=n:  A = dyq[o_e:, :n], scales [m, ceil(n/128)];
+//          B = WqT_e [k, n], scales [ceil(k/128), ceil(n/128)].
+//   wgrad  M=n, N=k, K=m_e:  A = dyT[:, p_e:] [n, m_e] with leading dimension
+//          padded_rows, scales [ceil(m_e/128), n] at block row b_e (1 x 128
+//          along the tokens, MN-major); B = xT[:, p_e:] [k, m_e], scales
+//          [ceil(m_e/128), k] at b_e. p_e and b_e: see scan_splits_columnwise.
+// CUTLASS derives each group's scale layout from its problem shape, packed;
+// the layouts above are exactly those packed layouts.
+#pragma once
+
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+
+#include "fp8_gemm/fp8_gemm.h"
+#include "gemm/sm90_grouped_gemm.cuh"
+
+namespace moe_grouped::fp8_gemm::sm90 {
+
+using cute::_1;
+using cute::_2;
+using cute::_128;
+using gemm::sm90::ElementOf;
+
+template <mg_dtype D>
+struct Fp8ElementOf;
+template <>
+struct Fp8ElementOf<MG_FLOAT8_E4M3> { using type = cutlass::float_e4m3_t; };
+template <>
+struct Fp8ElementOf<MG_FLOAT8_E5M2> { using type = cutlass::float_e5m2_t; };
+
+// Scale granularity (M, N, K) and majorness per kind. fprop and dgrad read
+// row-wise activation scales (one per row per 128 columns: K-major) and
+// 128x128 weight scales; wgrad reads column-wise scales of both operands
+// (one per column per 128 tokens: MN-major). SFA and SFB share a majorness,
+// which is what CUTLASS's SM90 shared-memory scale layout assumes.
+template <mg_gemm_kind Kind>
+struct ScaleTraits {
+  static constexpr auto kMajor = cute::GMMA::Major::K;
+  using Config = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, kMajor, kMajor>;
+};
+template <>
+struct ScaleTraits<MG_GEMM_WGRAD> {
+  static constexpr auto kMajor = cute::GMMA::Major::MN;
+  using Config = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, kMajor, kMajor>;
+};
+
+// Cooperative: two consumer warpgroups share one 128x128 tile. Ping-pong:
+// each warpgroup owns a 64x128 tile and one's scale promotion overlaps the
+// other's tensor-core work.
+template <Fp8Schedule S>
+struct ScheduleTraits;
+template <>
+struct ScheduleTraits<Fp8Schedule::kCooperative> {
+  using Tile = cute::Shape<_128, _128, _128>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <>
+struct ScheduleTraits<Fp8Schedule::kPingpong> {
+  using Tile = cute::Shape<cute::_64, _128, _128>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// ---- the kernel type ---------------------------------------------------
+
+template <mg_gemm_kind Kind, mg_dtype ADtype, mg_dtype OutDtype,
+          Fp8Schedule Schedule = Fp8Schedule::kCooperative>
+struct Fp8GroupedGemm {
+  static constexpr mg_gemm_kind kKind = Kind;
+  static constexpr mg_dtype kADtype = ADtype;
+  static constexpr mg_dtype kOutDtype = OutDtype;
+  static constexpr Fp8Schedule kSchedule = Schedule;
+
+  using ElementA = typename Fp8ElementOf<ADtype>::type;
+  using ElementB = cutlass::float_e4m3_t;  // weights and activations are E4M3
+  using ElementD = typename ElementOf<OutDtype>::type;
+  using ElementBias = cutlass::bfloat16_t;
+  using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
+  using ElementAccumulator = float;
+  using Tile = typename ScheduleTraits<Schedule>::Tile;
+  using Cluster = cute::Shape<_1, _2, _1>;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
+
+  using ScaleConfig = typename ScaleTraits<Kind>::Config;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using UnderlyingShape = typename ProblemShape::UnderlyingProblemShape;
+
+  // fprop: D = acc + bias_e[n] (one bias pointer per group, a NULL array
+  // reads as zeros); dgrad, wgrad: D = acc + beta * C.
+  using BiasFusion = cutlass::epilogue::fusion::Sm90EVT<
+      cutlass::epilogue::fusion::Sm90Compute<cutlass::plus, ElementD, float,
+                                             cutlass::FloatRoundStyle::round_to_nearest>,
+      cutlass::epilogue::fusion::Sm90AccFetch,
+      cutlass::epilogue::fusion::Sm90RowBroadcast<0, Tile, ElementBias*, float,
+                                                  cute::Stride<cute::_0, _1, int64_t>>>;
+  using LinearFusion = cutlass::epilogue::fusion::LinearCombination<
+      ElementD, float, std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>, float>;
+  using Fusion = std::conditional_t<Kind == MG_GEMM_FPROP, BiasFusion, LinearFusion>;
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, float, ElementC,
+      LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
+      typename ScheduleTraits<Schedule>::Epilogue, Fusion>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
+      cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
+      kAlignAB, ElementAccumulator, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename ScheduleTraits<Schedule>::Mainloop>::CollectiveOp;
+
+  using Kernel =
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+};
+
+// ---- workspace layout ----------------------------------------------------
+
+template <class G>
+struct Workspace {
+  int64_t* offsets = nullptr;  // [E + 1]
+  typename G::UnderlyingShape* shapes = nullptr;
+  const typename G::ElementA** ptr_a = nullptr;
+  const typename G::ElementB** ptr_b = nullptr;
+  const float** ptr_sfa = nullptr;
+  const float** ptr_sfb = nullptr;
+  typename G::ElementD** ptr_d = nullptr;  // also C for wgrad
+  const typename G::ElementBias** ptr_bias = nullptr;
+  typename G::StrideA* stride_a = nullptr;
+  typename G::StrideB* stride_b = nullptr;
+  typename G::StrideD* stride_d = nullptr;
+  void* gemm = nullptr;
+  size_t bytes = 0;
+};
+
+template <class G>
+Workspace<G> carve_workspace(void* base, int num_groups, int sm_count) {
+  WorkspaceCarver carver(base);
+  Workspace<G> w;
+  w.offsets = carver.take<int64_t>(num_groups + 1);
+  w.shapes = carver.take<typename G::UnderlyingShape>(num_groups);
+  w.ptr_a = carver.take<const typename G::ElementA*>(num_groups);
+  w.ptr_b = carver.take<const typename G::ElementB*>(num_groups);
+  w.ptr_sfa = carver.take<const float*>(num_groups);
+  w.ptr_sfb = carver.take<const float*>(num_groups);
+  w.ptr_d = carver.take<typename G::ElementD*>(num_groups);
+  if (G::kKind == MG_GEMM_FPROP) w.ptr_bias = carver.take<const typename G::ElementBias*>(num_groups);
+  w.stride_a = carver.take<typename G::StrideA>(num_groups);
+  w.stride_b = carver.take<typename G::StrideB>(num_groups);
+  w.stride_d = carver.take<typename G::StrideD>(num_groups);
+  w.gemm = carver.take<char>(
+      G::Gemm::get_workspace_size(gemm::sm90::sizing_arguments<G>(num_groups, sm_count)));
+  w.bytes = carver.bytes_used();
+  return w;
+}
+
+template <class G>
+size_t workspace_bytes(int num_groups, int sm_count) {
+  return carve_workspace<G>(nullptr, num_groups, sm_count).bytes;
+}
+
+// ---- setup kernel --------------------------------------------------------
+
+template <class G>
+struct SetupParams {
+  const void* m_splits;
+  int num_groups;
+  int64_t total_rows;
+  int64_t padded_rows;  // wgrad: leading dimension of the column-wise operands
+  int n;
+  int k;
+  const typename G::ElementA* a;
+  const float* a_scale;
+  const typename G::ElementB* b;
+  const float* b_scale;
+  const char* dw_base;  // wgrad: dW_e = dw_base + e * dw_stride_bytes, or dw_ptrs[e]
+  int64_t dw_stride_bytes;
+  const void* const* dw_ptrs;
+  const typename G::ElementBias* bias;
+  typename G::ElementD* out;
+  Workspace<G> w;
+};
+
+template <class G>
+__device__ void write_row_major_group(const SetupParams<G>& p, int g, int64_t start, int m) {
+  // fprop: (M, N, K) = (m, n, k) reading x; dgrad: (m, k, n) reading dy.
+  const bool fprop = G::kKind == MG_GEMM_FPROP;
+  const int gemm_n = fprop ? p.n : p.k;
+  const int gemm_k = fprop ? p.k : p.n;
+  const int64_t scale_cols = (gemm_k + 127) / 128;
+  const int64_t b_scale_rows = (gemm_n + 127) / 128;
+  p.w.shapes[g] = {m, gemm_n, gemm_k};
+  p.w.ptr_a[g] = p.a + start * gemm_k;
+  p.w.ptr_sfa[g] = p.a_scale + start * scale_cols;
+  p.w.ptr_b[g] = p.b + static_cast<int64_t>(g) * gemm_n * gemm_k;
+  p.w.ptr_sfb[g] = p.b_scale + static_cast<int64_t>(g) * b_scale_rows * scale_cols;
+  p.w.ptr_d[g] = p.out + start * gemm_n;
+  if constexpr (G::kKind == MG_GEMM_FPROP) {
+    if (p.bias != nullptr) p.w.ptr_bias[g] = p.bias + static_cast<int64_t>(g) * p.n;
+  }
+  p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, gemm_k, 1});
+  p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {gemm_n, gemm_k, 1});
+  p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, gemm_n, 1});
+}
+
+template <class G, class SplitT>
+__global__ void __launch_bounds__(kSetupThreads) fp8_gemm_setup(SetupParams<G> p) {
+  const auto* splits = static_cast<const SplitT*>(p.m_splits);
+  if constexpr (G::kKind != MG_GEMM_WGRAD) {
+    scan_splits(splits, p.num_groups, p.total_rows, p.w.offsets,
+                [&](int g, int64_t start, int64_t count) {
+                  write_row_major_group(p, g, start, static_cast<int>(count));
+                });
+  } else {
+    scan_splits_columnwise(
+        splits, p.num_groups, p.total_rows, p.w.offsets,
+        [&](int g, int64_t, int64_t count, ColumnwiseStart at) {
+          const int m = static_cast<int>(count);
+          // An empty reduction gets no tiles at all (M = 0): the kernel would
+          // otherwise store uninitialised accumulators.
+          p.w.shapes[g] = {m > 0 ? p.n : 0, p.k, m};
+          p.w.ptr_a[g] = p.a + at.padded;
+          p.w.ptr_b[g] = p.b + at.padded;
+          p.w.ptr_sfa[g] = p.a_scale + at.block * p.n;
+          p.w.ptr_sfb[g] = p.b_scale + at.block * p.k;
+          p.w.ptr_d[g] = static_cast<typename G::ElementD*>(const_cast<void*>(
+              p.dw_base != nullptr
+                  ? static_cast<const void*>(p.dw_base + g * p.dw_stride_bytes)
+                  : p.dw_ptrs[g]));
+          // Row-major A [n, m] and K-major B [k, m], both with leading
+          // dimension padded_rows (not m: the groups share one buffer).
+          typename G::StrideA stride_a{};
+          cute::get<0>(stride_a) = p.padded_rows;
+          p.w.stride_a[g] = stride_a;
+          typename G::StrideB stride_b{};
+          cute::get<0>(stride_b) = p.padded_rows;
+          p.w.stride_b[g] = stride_b;
+          p.w.stride_d[g] =
+              cutlass::make_cute_packed_stride(typename G::StrideD{}, {p.n, p.k, 1});
+        });
+  }
+}
+
+// ---- launch --------------------------------------------------------------
+
+template <class G>
+mg_status run(const Fp8GemmCall& call, cudaStream_t stream) {
+  using ElementD = typename G::ElementD;
+  int device = 0;
+  MG_CUDA_RETURN(cudaGetDevice(&device));
+  MG_RETURN_IF_ERROR(gemm::sm90::prepare_kernel<G>(device));
+
+  Workspace<G> w = carve_workspace<G>(call.workspace, call.num_groups, call.sm_count);
+
+  SetupParams<G> setup{};
+  setup.m_splits = call.m_splits;
+  setup.num_groups = call.num_groups;
+  setup.total_rows = call.total_rows;
+  setup.padded_rows = columnwise_padded_rows(call.total_rows, call.num_groups);
+  setup.n = static_cast<int>(call.n);
+  setup.k = static_cast<int>(call.k);
+  setup.a = static_cast<const typename G::ElementA*>(call.a.data);
+  setup.a_scale = call.a.scale_inv;
+  setup.b = static_cast<const typename G::ElementB*>(call.b.data);
+  setup.b_scale = call.b.scale_inv;
+  setup.dw_base = static_cast<const char*>(call.dw.base);
+  setup.dw_stride_bytes = call.dw.group_stride * static_cast<int64_t>(sizeof(ElementD));
+  setup.dw_ptrs = reinterpret_cast<const void* const*>(call.dw.ptrs);
+  setup.bias = static_cast<const typename G::ElementBias*>(call.bias);
+  setup.out = static_cast<ElementD*>(call.out);
+  setup.w = w;
+  if (call.splits_dtype == MG_INT32) {
+    fp8_gemm_setup<G, int32_t><<<1, kSetupThreads, 0, stream>>>(setup);
+  } else {
+    fp8_gemm_setup<G, int64_t><<<1, kSetupThreads, 0, stream>>>(setup);
+  }
+  MG_CUDA_RETURN(cudaGetLastError());
+
+  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
+    MG_RETURN_IF_ERROR(gemm::sm90::launch_zero_empty_groups<ElementD>(
+        w.offsets, w.ptr_d, call.n * call.k, call.num_groups, stream));
+  }
+
+  typename G::Gemm::Arguments args{};
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {call.num_groups, w.shapes, nullptr};
+  // The per-group scale layouts are derived from the problem shapes inside
+  // the kernel; the layout arrays are not read.
+  args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b, w.ptr_sfa, nullptr, w.ptr_sfb, nullptr};
+  args.epilogue.ptr_D = w.ptr_d;
+  args.epilogue.dD = w.stride_d;
+  if constexpr (G::kKind == MG_GEMM_FPROP) {
+    args.epilogue.thread = {
+        {}, {call.bias != nullptr ? w.ptr_bias : nullptr, typename G::ElementBias(0), {}}, {}};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = (G::kKind == MG_GEMM_WGRAD && call.accumulate) ? 1.0f : 0.0f;
+    if constexpr (G::kKind == MG_GEMM_WGRAD) {
+      args.epilogue.ptr_C = const_cast<const ElementD**>(w.ptr_d);
+      args.epilogue.dC = w.stride_d;
+    }
+  }
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = call.sm_count;
+  return gemm::sm90::launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
+}
+
+template <class G>
+constexpr Fp8KernelEntry entry() {
+  return Fp8KernelEntry{G::kKind,          G::kADtype, G::kOutDtype,
+                        G::kSchedule,      &workspace_bytes<G>, &run<G>};
+}
+
+}  // namespace moe_grouped::fp8_gemm::sm90

@@ -1,0 +1,139 @@
+"""GroupedLinear's forward and backward in FP8 block scaling.
+
+Forward: the weights are quantized in 128x128 blocks (with the transposed
+copy dgrad reads) and x in one pass into its row-wise 1x128 copy (fprop) and
+its grouped column-wise copy (kept for wgrad, half the bytes of x). Backward:
+dy in one pass into row-wise (dgrad), column-wise (wgrad) and, with a bias,
+its per-expert column sums. Every step reads m_splits on the device only, so
+the whole layer can be captured in a CUDA graph.
+
+Backends: ``cuda`` (the core's kernels, sm_90) and ``reference`` (the plain
+PyTorch quantizers and dequantize-then-multiply GEMMs: the numerics the
+kernels are checked against, on any device, slow and not capturable).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional
+
+import torch
+
+from .. import _core
+from . import gemm
+from .quantize import quantize_grouped, quantize_weights_128x128
+from .quantize_reference import GroupedQuantized, WeightQuantized, quantize_grouped_1x128, quantize_grouped_128x128
+from .recipe import Float8BlockScaling
+
+# The quantizers keep their per-group offsets here: a slot of their own, so
+# that they never share scratch with a GEMM that may run concurrently.
+SLOT_QUANTIZE = 3
+
+
+def check_supported(backend: str, x: torch.Tensor, n: int, k: int) -> None:
+    """Raises a clear error when FP8 block scaling cannot run this layer."""
+    if backend not in gemm.BACKENDS:
+        raise NotImplementedError(
+            f"FP8 block scaling runs on the 'cuda' backend (Hopper, sm_90) or emulated on the 'reference' "
+            f"backend; this layer resolved to backend {backend!r}. Pass backend='cuda' on an H100/H200, "
+            "backend='reference' to emulate, or run outside moe_grouped.fp8.fp8_autocast"
+        )
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"FP8 GroupedLinear takes bfloat16 input and parameters, got {x.dtype}")
+    if backend == "cuda":
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if (major, minor) != (9, 0):
+            raise NotImplementedError(
+                f"FP8 block-scaled GEMMs need an sm_90 GPU (H100/H200); {x.device} is sm_{major}{minor}"
+            )
+        if not _core.has(_core.CAP_GROUPED_GEMM_FP8_BLOCKWISE):
+            raise RuntimeError("the CUDA core was built without its FP8 block-scaled grouped GEMMs")
+        if not gemm.shape_supported(n, k):
+            raise ValueError(
+                f"FP8 GroupedLinear on the cuda backend needs in_features and out_features that are multiples "
+                f"of {gemm.ALIGNMENT}, got in_features={k}, out_features={n}"
+            )
+
+
+def _host_splits(m_splits: torch.Tensor) -> list[int]:
+    return [int(c) for c in m_splits.tolist()]
+
+
+def _quantize_tokens(x, m_splits, dtype, recipe: Float8BlockScaling, backend, *, rowwise, dbias) -> GroupedQuantized:
+    if backend == "reference":
+        return quantize_grouped_1x128(x, _host_splits(m_splits), dtype, recipe.pow2_scales, recipe.amax_epsilon,
+                                      rowwise=rowwise, dbias=dbias)
+    return quantize_grouped(x, m_splits, dtype, recipe.pow2_scales, recipe.amax_epsilon, rowwise=rowwise,
+                            dbias=dbias, workspace_slot=SLOT_QUANTIZE)
+
+
+def _quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose) -> WeightQuantized:
+    if backend == "reference":
+        return quantize_grouped_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
+                                        transpose=transpose)
+    return quantize_weights_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
+                                    transpose=transpose)
+
+
+class Fp8GroupedLinearFunction(torch.autograd.Function):
+    """y = x W_e^T (+ b_e) per expert in FP8; see the module docstring.
+
+    ``spec`` is GroupedLinear's ``_Spec``; ``grads_for`` turns (dyt, xt,
+    dbias) into parameter gradients (GroupedLinear decides where they go).
+    """
+
+    @staticmethod
+    def forward(ctx, x, m_splits, spec, recipe: Float8BlockScaling, delayed: collections.deque, grads_for, *params):
+        weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
+        bias = None
+        if spec.has_bias:
+            bias = biases[0] if len(biases) == 1 and biases[0].dim() == 2 else torch.stack(list(biases))
+        need_dgrad = ctx.needs_input_grad[0]
+        need_wgrad = any(ctx.needs_input_grad[6 : 6 + spec.num_weights])
+        wq = _quantize_weights(weights, recipe, spec.backend, transpose=need_dgrad)
+        xq = _quantize_tokens(x, m_splits, recipe.forward_dtype, recipe, spec.backend, rowwise=True, dbias=False)
+        y = gemm.grouped_fprop_fp8(xq.rowwise, wq.w, m_splits, bias, backend=spec.backend)
+        saved = [m_splits]
+        saved += [wq.wt.data, wq.wt.scale_inv] if need_dgrad else [None, None]
+        saved += [xq.columnwise.data, xq.columnwise.scale_inv] if need_wgrad else [None, None]
+        ctx.save_for_backward(*saved, *params)
+        ctx.spec, ctx.recipe, ctx.delayed, ctx.grads_for = spec, recipe, delayed, grads_for
+        ctx.total_rows = x.shape[0]
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        m_splits, wt_data, wt_scale, xt_data, xt_scale, *params = ctx.saved_tensors
+        spec, recipe = ctx.spec, ctx.recipe
+        need_params = any(ctx.needs_input_grad[6:])
+        dyq = _quantize_tokens(
+            dy.contiguous(), m_splits, recipe.backward_dtype, recipe, spec.backend,
+            rowwise=ctx.needs_input_grad[0], dbias=spec.has_bias and need_params,
+        )
+        dx = None
+        if ctx.needs_input_grad[0]:
+            wt = type(dyq.columnwise)(wt_data, wt_scale)
+            dx = gemm.grouped_dgrad_fp8(dyq.rowwise, wt, m_splits, backend=spec.backend)
+        grads = [None] * len(params)
+        if need_params:
+            xt = type(dyq.columnwise)(xt_data, xt_scale)
+            job, grads_for = (dyq.columnwise, xt, dyq.dbias, m_splits, ctx.total_rows), ctx.grads_for
+            if spec.delay_wgrad_compute:
+                ctx.delayed.append((list(params), lambda: grads_for(*job)))
+            else:
+                grads = grads_for(*job)
+        return (dx, None, None, None, None, None, *grads)
+
+
+def wgrad_into(dyt, xt, m_splits, total_rows: int, out: list, *, accumulate: bool, backend: str) -> None:
+    """The FP8 weight gradient of one layer into ``out`` (see gemm.grouped_wgrad_fp8)."""
+    gemm.grouped_wgrad_fp8(dyt, xt, m_splits, out, total_rows=total_rows, accumulate=accumulate, backend=backend)
+
+
+def bias_grads(dbias: Optional[torch.Tensor], biases) -> list:
+    """The fused dbias (float32 [E, N]) as the bias parameters' gradients."""
+    if dbias is None:
+        return []
+    if len(biases) == 1 and biases[0].dim() == 2:
+        return [dbias.to(biases[0].dtype)]
+    return list(dbias.to(biases[0].dtype).unbind(0))
