@@ -14,8 +14,24 @@ license). Characters are the tokens.
     python examples/train_moe.py                          # CPU, reference backend, ~1 minute
     python examples/train_moe.py --device cuda            # the GPU's default backends
     python examples/train_moe.py --device cuda --graphs   # whole step in one CUDA graph
+    python examples/train_moe.py --device cuda --compare-eager --steps 100  # graph vs eager losses
+    python examples/train_moe.py --fp8                    # FP8 block-scaled experts (emulated on CPU)
     python examples/train_moe.py --checkpoint lm.pt       # save; run again with --resume to go on
     python examples/train_moe.py --plot loss.png          # loss curve (needs matplotlib)
+
+On the GPU the model computes in bfloat16 and the optimizer steps fp32 master
+copies of the parameters (``--no-master-weights`` steps the bfloat16
+parameters directly). ``--graphs`` captures the whole training step (forward,
+backward, master-weight copies, AdamW) once with
+``moe_grouped.graphs.capture_step`` and replays it for every batch; its
+warm-up steps are undone, so it trains exactly like the eager loop, which
+``--compare-eager`` checks.
+
+``--fp8`` runs the expert GEMMs with DeepSeek-V3-style FP8 block scaling
+(``moe_grouped.fp8.fp8_autocast``: 1x128 activation and 128x128 weight
+scales, E4M3). The model then computes in bfloat16 on the CPU too, where the
+``reference`` backend emulates the FP8 arithmetic exactly (slower than the
+float32 default); on an H100 the ``cuda`` backend runs CUTLASS FP8 kernels.
 
 Progress uses tqdm when it is installed (``pip install -e ".[examples]"``)
 and plain prints otherwise.
@@ -103,6 +119,7 @@ class Block(nn.Module):
 class MoELanguageModel(nn.Module):
     def __init__(self, vocab: int, args, dtype, device):
         super().__init__()
+        self.fp8_recipe = moe_grouped.fp8.Float8BlockScaling() if getattr(args, "fp8", False) else None
         self.embed = nn.Embedding(vocab, args.dim, dtype=dtype, device=device)
         self.pos = nn.Parameter(torch.zeros(args.seq, args.dim, dtype=dtype, device=device))
         self.blocks = nn.ModuleList(
@@ -129,7 +146,9 @@ class MoELanguageModel(nn.Module):
         return F.linear(self.norm(x), self.embed.weight)  # LM head tied to the embedding
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(ids)
+        # The expert GEMMs take the recipe when they run forward; their backward reuses it.
+        with moe_grouped.fp8.fp8_autocast(self.fp8_recipe, enabled=self.fp8_recipe is not None):
+            logits = self(ids)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
 
 
@@ -152,43 +171,103 @@ class Progress:
             self.bar.close()
 
 
-def make_graphed_step(model, optimizer, sample_x, sample_y):
-    """Captures forward + backward + optimizer step in one CUDA graph.
+class MasterWeights:
+    """fp32 master copies of low-precision parameters; the optimizer steps the copies.
+
+    The model computes in bfloat16; the optimizer's small updates accumulate in
+    fp32 copies, rounded into the bfloat16 parameters after each step. Every
+    operation is a device copy, so a captured training step can contain it.
+    """
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.master = [nn.Parameter(p.detach().float().clone()) for p in self.params]
+        for m in self.master:
+            m.grad = torch.zeros_like(m)  # persistent: refilled in place every step
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        for m, p in zip(self.master, self.params):
+            if p.grad is None:
+                m.grad.zero_()
+            else:
+                m.grad.copy_(p.grad)
+        optimizer.step()
+        for m, p in zip(self.master, self.params):
+            p.copy_(m)
+
+    @torch.no_grad()
+    def load(self, tensors=None) -> None:
+        """Sets the master copies from saved ones, or from the parameters."""
+        for m, p, t in zip(self.master, self.params, tensors or self.params):
+            m.copy_(t)
+
+
+def training_step(model, optimizer, master, x, y) -> torch.Tensor:
+    """One step: forward, backward, optimizer step. No host sync, so it can be captured."""
+    loss = model.loss(x, y)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    if master is None:
+        optimizer.step()
+    else:
+        master.step(optimizer)
+    return loss.detach()
+
+
+@torch.no_grad()
+def save_training_state(model, optimizer, master) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        "master": [m.detach().clone() for m in master.master] if master is not None else [],
+        "optimizer": {
+            p: {k: v.clone() for k, v in state.items() if torch.is_tensor(v)} for p, state in optimizer.state.items()
+        },
+    }
+
+
+@torch.no_grad()
+def restore_training_state(model, optimizer, master, saved: dict) -> None:
+    """Puts the saved values back in place (a captured graph keeps the tensors' addresses).
+
+    Optimizer state created since the save (AdamW's step and moments on its
+    first step) goes back to zero: its initial value.
+    """
+    for name, tensor in model.state_dict().items():
+        tensor.copy_(saved["model"][name])
+    if master is not None:
+        master.load(saved["master"])
+    for param, state in optimizer.state.items():
+        before = saved["optimizer"].get(param, {})
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                value.copy_(before[key]) if key in before else value.zero_()
+
+
+def make_graphed_step(model, optimizer, master, sample_x, sample_y):
+    """Captures forward + backward + optimizer step with ``moe_grouped.graphs.capture_step``.
 
     Returns ``step(x, y) -> loss tensor`` that copies the batch into the
     static inputs and replays. The routing (tokens per expert) changes every
-    replay; nothing in the step reads it on the host. Warm-up runs three real
-    training steps on a side stream first (they allocate the workspaces).
+    replay; nothing in the step reads it on the host. ``capture_step`` warms up
+    with three real training steps on a side stream (they allocate the
+    workspaces and the optimizer state); they are undone afterwards, so the
+    graphed run trains exactly like the eager one.
     """
-    static_x, static_y = sample_x.clone(), sample_y.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            optimizer.zero_grad(set_to_none=True)
-            model.loss(static_x, static_y).backward()
-            optimizer.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = model.loss(static_x, static_y)
-        static_loss.backward()
-        optimizer.step()
-
-    def step(x, y):
-        static_x.copy_(x)
-        static_y.copy_(y)
-        graph.replay()
-        return static_loss
-
+    saved = save_training_state(model, optimizer, master)
+    step = moe_grouped.graphs.capture_step(
+        lambda x, y: training_step(model, optimizer, master, x, y),
+        sample_x.clone(), sample_y.clone(), optimizers=[optimizer],
+    )
+    restore_training_state(model, optimizer, master, saved)
     return step
 
 
-def save_checkpoint(path, model, optimizer, step, losses, args) -> None:
+def save_checkpoint(path, model, optimizer, master, step, losses, args) -> None:
     tmp = f"{path}.tmp"
     torch.save(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+         "master": [m.detach() for m in master.master] if master is not None else None,
          "losses": losses, "config": {k: getattr(args, k) for k in MODEL_ARGS}},
         tmp,
     )
@@ -228,11 +307,17 @@ def sample(model, data: CharData, prompt: str, length: int, seq: int, gen: torch
 def train(args) -> list[float]:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" or args.fp8 else torch.float32  # FP8 GEMMs take bfloat16
     data = CharData(load_corpus(), device)
     model = MoELanguageModel(len(data.chars), args, dtype, device)
     graphs = args.graphs
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, capturable=graphs)
+    use_master = args.master_weights if args.master_weights is not None else dtype != torch.float32
+    master = MasterWeights(model.parameters()) if use_master else None
+    # capturable on the GPU in eager runs too: the same AdamW arithmetic with and without --graphs.
+    optimizer = torch.optim.AdamW(
+        master.master if master is not None else model.parameters(), lr=args.lr, weight_decay=0.01,
+        capturable=device.type == "cuda",
+    )
     first_step, losses = 1, []
     if args.resume:
         if not args.checkpoint or not os.path.exists(args.checkpoint):
@@ -243,6 +328,8 @@ def train(args) -> list[float]:
         if mismatched:
             raise SystemExit(f"the checkpoint was trained with other settings (saved, given): {mismatched}")
         model.load_state_dict(state["model"])
+        if master is not None:
+            master.load(state.get("master"))  # the saved fp32 copies, else the parameters
         optimizer.load_state_dict(state["optimizer"])
         first_step, losses = state["step"] + 1, state["losses"]
         print(f"resumed from {args.checkpoint} at step {state['step']}")
@@ -251,7 +338,10 @@ def train(args) -> list[float]:
     print(
         f"training a {args.layers}-block character LM ({sum(p.numel() for p in model.parameters()):,} "
         f"parameters, {experts:,} in {args.experts} experts per block, top-{args.top_k}) on {device} "
-        f"with the {backend!r} backend; corpus: pydoc_data.topics, {len(data.train):,} training characters"
+        f"with the {backend!r} backend{', FP8 block-scaled experts' if args.fp8 else ''}"
+        f"{', fp32 master weights' if master is not None else ''}"
+        f"{', whole step in a CUDA graph' if graphs else ''}; corpus: pydoc_data.topics, "
+        f"{len(data.train):,} training characters"
     )
     gen = torch.Generator().manual_seed(args.seed + first_step)
     graphed_step = None
@@ -261,26 +351,23 @@ def train(args) -> list[float]:
     for step in range(first_step, args.steps + 1):
         x, y = data.batch("train", args.batch, args.seq, gen)
         if graphs and graphed_step is None:
-            graphed_step = make_graphed_step(model, optimizer, x, y)  # trains on this batch 3 times
+            graphed_step = make_graphed_step(model, optimizer, master, x, y)
         if graphed_step is not None:
             loss = graphed_step(x, y)
         else:
-            loss = model.loss(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            loss = training_step(model, optimizer, master, x, y)
         losses.append(loss.item())
         rate = (step - first_step + 1) * tokens_per_step / (time.perf_counter() - start)
         progress.update(step, losses[-1], rate)
         if args.checkpoint and args.save_every and step % args.save_every == 0:
-            save_checkpoint(args.checkpoint, model, optimizer, step, losses, args)
+            save_checkpoint(args.checkpoint, model, optimizer, master, step, losses, args)
     progress.close()
     elapsed = time.perf_counter() - start
     done = args.steps - first_step + 1
     if done > 0:
         print(f"{done} steps in {elapsed:.1f} s: {done * tokens_per_step / elapsed:,.0f} tokens/s")
     if args.checkpoint:
-        save_checkpoint(args.checkpoint, model, optimizer, args.steps, losses, args)
+        save_checkpoint(args.checkpoint, model, optimizer, master, args.steps, losses, args)
         print(f"checkpoint saved to {args.checkpoint} (step {args.steps}); --resume with more --steps goes on")
     model.eval()
     with torch.no_grad():
@@ -302,6 +389,21 @@ def train(args) -> list[float]:
 
 
 MODEL_ARGS = ("dim", "heads", "ffn", "layers", "experts", "top_k", "seq")
+COMPARE_TOLERANCE = 1e-3
+
+
+def compare_with_eager(args) -> float:
+    """Trains eagerly, then with the step in a CUDA graph, from the same seed; the largest loss gap."""
+    quiet = dict(checkpoint=None, resume=False, plot=None, sample=0)
+    print("== eager")
+    eager = train(argparse.Namespace(**{**vars(args), **quiet, "graphs": False}))
+    print("== whole step in a CUDA graph")
+    graphed = train(argparse.Namespace(**{**vars(args), **quiet, "graphs": True}))
+    gap = max(abs(a - b) for a, b in zip(eager, graphed))
+    worst = max(range(len(eager)), key=lambda i: abs(eager[i] - graphed[i]))
+    print(f"graph vs eager: max |loss difference| over {len(eager)} steps {gap:.3e} at step {worst + 1} "
+          f"(eager {eager[worst]:.6f}, graph {graphed[worst]:.6f}); tolerance {COMPARE_TOLERANCE:g}")
+    return gap
 
 
 def parse_args(argv=None):
@@ -323,28 +425,42 @@ def parse_args(argv=None):
     parser.add_argument("--log-every", type=int, default=250)
     parser.add_argument("--graphs", action="store_true",
                         help="capture forward + backward + optimizer step in one CUDA graph (cuda only)")
-    parser.add_argument("--fp8", action="store_true", help="FP8 block-scaled experts (not yet supported)")
+    parser.add_argument("--compare-eager", action="store_true",
+                        help="train eagerly and with --graphs from the same seed and compare the losses "
+                             f"(cuda only; exits with status 1 if they differ by more than {COMPARE_TOLERANCE:g})")
+    parser.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="step fp32 master copies of the parameters (default: on when the model is bfloat16, "
+                             "i.e. on cuda)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="FP8 block-scaled expert GEMMs (cuda backend on sm_90, reference emulation on CPU)")
     parser.add_argument("--checkpoint", default=None, help="save model and optimizer here at the end")
     parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (with --checkpoint)")
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--plot", default=None, help="save the loss curve to this PNG (needs matplotlib)")
     parser.add_argument("--sample", type=int, default=120, help="characters to sample at the end (0: none)")
     args = parser.parse_args(argv)
-    if args.fp8:
-        parser.error(
-            "--fp8 is not yet supported: moe_grouped has no FP8 grouped GEMM kernels yet "
-            "(GroupedLinear refuses to run inside fp8_autocast); run without --fp8"
-        )
-    if args.graphs:
+    if args.fp8 and args.backend == "torch":
+        parser.error("--fp8 runs on the cuda backend (H100) or the reference backend (emulation), not torch")
+    if args.graphs or args.compare_eager:
+        flag = "--graphs" if args.graphs else "--compare-eager"
         if args.device != "cuda":
-            parser.error("--graphs needs --device cuda")
+            parser.error(f"{flag} needs --device cuda")
         if args.backend == "reference":
-            parser.error("--graphs cannot use the reference backend (it reads the routing on the host); "
+            parser.error(f"{flag} cannot use the reference backend (it reads the routing on the host); "
                          "use --backend torch or cuda, or leave --backend out")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     return args
 
 
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.compare_eager:
+        if compare_with_eager(args) > COMPARE_TOLERANCE:
+            raise SystemExit(1)
+    else:
+        train(args)
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    main()
