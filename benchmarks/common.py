@@ -47,6 +47,25 @@ def time_ms(fn, *, warmup: int = 5, repeats: int = 30, flush: L2Flush | None = N
     return statistics.median(times)
 
 
+def graphed(fn, *, warmup: int = 3):
+    """``fn`` captured once in a CUDA graph; returns the replay callable.
+
+    Timing the replay leaves out the host's launch cost (Python, autograd,
+    ctypes): the GPU time a captured training step spends in ``fn``. Warm-up
+    runs on a side stream first, as capture requires.
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def write_results(bench: str, rows: list[dict]) -> pathlib.Path:
     """Writes ``benchmarks/results/<bench>-<gpu>.json`` in the project's format."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,11 @@
 For each graph-safe backend, shape and split pattern, one step is
 ``y = layer(x, m_splits); y.backward(dy)`` run eagerly or through
 ``moe_grouped.graphs.make_graphed_callables`` (which copies x and m_splits
-into its static buffers and replays the forward and backward graphs).
+into its static buffers and replays the forward and backward graphs), or as
+one whole-step graph (``graphs.capture_step``): ``step_graph`` copies new x,
+m_splits and dy into the static buffers and replays, ``step_graph_replay``
+only replays (inputs already in place, as a data loader writing into the
+static buffers would leave them).
 
 Columns: ``cpu_ms`` is the host time to issue one step onto an idle GPU
 (median of 50; the CPU-side cost); ``ms`` the GPU time per step (CUDA
@@ -98,7 +102,27 @@ def main() -> None:
                         p.grad = None
                     graphed(x, m_splits).backward(dy)
 
-                for mode, step in (("eager", eager_step), ("graph", graph_step)):
+                # The whole fwd+bwd as one graph (graphs.capture_step): a step
+                # is one copy of the new inputs into the static buffers and
+                # one graph launch, so its host cost is the replay's.
+                static = (x.detach().clone().requires_grad_(True), m_splits.clone(), dy.clone())
+
+                def whole_step(xs, splits_s, dys):
+                    for p in params:
+                        p.grad = None
+                    xs.grad = None
+                    layer(xs, splits_s).backward(dys)
+                    return [xs.grad, *(p.grad for p in params)]
+
+                step_graph = graphs.capture_step(whole_step, *static)
+                fresh = (x.detach().clone(), m_splits.clone(), dy.clone())
+
+                def step_graph_step():
+                    step_graph(*fresh)
+
+                modes = (("eager", eager_step), ("graph", graph_step), ("step_graph", step_graph_step),
+                         ("step_graph_replay", step_graph.replay))
+                for mode, step in modes:
                     syncs = host_syncs(step)
                     cpu_ms, wall_ms = host_ms(step)
                     gpu_ms = time_ms(step, warmup=5, repeats=30)

@@ -1,0 +1,309 @@
+"""MoE layer step time (forward + backward), eager and as one replayed CUDA graph; permutation bandwidth.
+
+op ``fwd_bwd``: one training step of ``moe_grouped.MoELayer`` (router,
+permute, grouped SwiGLU experts, unpermute, router aux loss), bf16, on new
+``torch.randn`` inputs every step, so the routing (tokens per expert) changes
+from step to step:
+  cuda            MoELayer(backend="cuda"), eager
+  cuda_graphed    the same layer's forward + backward captured once with
+                  ``moe_grouped.graphs.capture_step`` and replayed; each step
+                  copies its new input and output gradient into the graph
+  torch           MoELayer(backend="torch") (torch._grouped_mm), eager
+  torch_graphed   the same, captured and replayed
+  loop            the same router and torch permutation, then a Python loop
+                  of per-expert bf16 matmuls over splits read on the host
+                  (one weight tensor per expert: Megatron's SequentialMLP), eager
+Each step sets the gradients to None first (backward allocates them: no
+accumulation pass). ``ms``: median of CUDA-event-timed steps, each from an
+idle GPU after an L2 flush; ``wall_ms``: steps issued back to back, total time
+/ steps. ``tflops``: the expert GEMMs only, 18 * T * top_k * hidden * ffn
+per step (fc1 with 2 * ffn outputs and fc2, forward, dgrad and wgrad).
+
+Shapes (no shared experts; token counts fit one 80 GB GPU with bf16 weights,
+gradients and activations and keep the script under ~2 minutes):
+  mixtral      hidden 4096, ffn 14336,   8 experts, top-2, 16384 tokens (softmax router)
+  dsv2_lite    hidden 2048, ffn 1408,   64 experts, top-6,  8192 tokens (softmax router):
+               DeepSeek-V2-Lite's MoE, one micro-batch of 2 x 4096 tokens
+  dsv3         hidden 7168, ffn 2048,  128 experts, top-8,  8192 tokens (sigmoid router,
+               8 groups / 4 chosen, selection bias): DeepSeek-V3's MoE; about 25 GB
+               of bf16 weights and gradients
+
+op ``permute``: ``moe_grouped.permute`` + ``unpermute`` (routing weights),
+forward and backward, bf16, random distinct top-k experts per token, for the
+cuda and torch permutation backends, captured in a CUDA graph and replayed
+(GPU time, as in a captured MoE step; the host's launch cost is left out). ``gbps``: effective bandwidth, counting
+once each tensor a pass must read or write, T tokens, n = T * top_k copies,
+H hidden: permute (read T*H, write n*H), unpermute (read n*H, write T*H), its
+backward (read T*H and n*H, write n*H), permute's backward (read n*H, write
+T*H): (4 T + 5 n) * H * 2 bytes. The index pass and the [T, top_k] weights are
+not counted.
+
+    python benchmarks/moe_layer.py     # table + results/moe_layer-<gpu>.json
+"""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+if not torch.cuda.is_available():
+    raise SystemExit("benchmarks/moe_layer.py needs a CUDA GPU, and torch sees none; run it on the GPU machine")
+
+import moe_grouped  # noqa: E402
+from common import L2Flush, graphed, time_ms, write_results  # noqa: E402
+from grouped_gemm import warm_up_clocks  # noqa: E402
+from moe_grouped import MoELayer, graphs, permute, unpermute  # noqa: E402
+from moe_grouped.permute import cuda_unavailable_reason as permute_cuda_unavailable_reason  # noqa: E402
+from moe_grouped.mlp import swiglu  # noqa: E402
+from moe_grouped.moe_layer import _AttachAuxLoss  # noqa: E402
+
+
+@dataclass
+class Shape:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int
+    router: dict = field(default_factory=dict)
+    aux_loss_coeff: float = 1e-2
+    repeats: int = 20
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
+
+    def flops(self) -> float:
+        return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
+
+
+SHAPES = [
+    Shape("mixtral", 4096, 14336, 8, 2, 16384, dict(score_function="softmax", normalize_topk=True), repeats=20),
+    Shape("dsv2_lite", 2048, 1408, 64, 6, 8192, dict(score_function="softmax", normalize_topk=False), repeats=50),
+    Shape("dsv3", 7168, 2048, 128, 8, 8192,
+          dict(score_function="sigmoid", normalize_topk=True, scaling_factor=2.5, expert_bias=True,
+               n_group=8, topk_group=4), aux_loss_coeff=0.0, repeats=20),
+]
+DEEPSEEK_LIKE = ("dsv2_lite", "dsv3")
+NUM_INPUTS = 4  # distinct (x, dout) pairs the steps cycle through: new routing every step
+LOOP_LIMIT_S = 2.0  # skip the loop backend for a shape whose first step takes longer
+WALL_STEPS = 10
+DTYPE = torch.bfloat16
+
+
+def make_layer(shape: Shape, backend: str, single_grouped_weight: bool = True) -> MoELayer:
+    torch.manual_seed(0)
+    return MoELayer(
+        shape.hidden, shape.ffn, shape.experts, shape.top_k, router_options=shape.router,
+        aux_loss_coeff=shape.aux_loss_coeff, single_grouped_weight=single_grouped_weight, dtype=DTYPE,
+        device="cuda", backend=backend,
+    )
+
+
+def make_inputs(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return [
+        (torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen).requires_grad_(True),
+         torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
+        for _ in range(NUM_INPUTS)
+    ]
+
+
+def loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer's forward with a per-expert loop of bf16 matmuls (host splits) for the experts."""
+    routing = layer.router(x)
+    permuted, m_splits, row_id_map = permute(x, routing.experts, layer.num_experts, backend="torch")
+    fc1, fc2 = layer.experts.fc1, layer.experts.fc2
+    outs = [
+        F.linear(swiglu(F.linear(rows, getattr(fc1, f"weight{e}"))), getattr(fc2, f"weight{e}"))
+        for e, rows in enumerate(permuted.split(m_splits.tolist()))  # .tolist(): a host sync
+    ]
+    out = unpermute(torch.cat(outs), row_id_map, routing.weights, backend="torch")
+    if layer.aux_loss_coeff:
+        out = _AttachAuxLoss.apply(out, layer.aux_loss_coeff * routing.aux_loss)
+    return out
+
+
+class Steps:
+    """Training steps of one layer over the cycled inputs."""
+
+    def __init__(self, layer: MoELayer, inputs, forward=None):
+        self.layer, self.inputs = layer, inputs
+        self.forward = forward or layer
+        self.params = list(layer.parameters())
+        self.index = 0
+
+    def fwd_bwd(self, x, dout) -> torch.Tensor:
+        for p in self.params:
+            p.grad = None
+        x.grad = None
+        out = self.forward(x)
+        out.backward(dout)
+        return out.detach()  # capture_step's outputs are tensors
+
+    def eager(self) -> None:
+        x, dout = self.inputs[self.index % NUM_INPUTS]
+        self.index += 1
+        self.fwd_bwd(x, dout)
+
+    def capture(self):
+        for p in self.params:  # drop the eager steps' gradients and cached blocks before capturing
+            p.grad = None
+        free_memory()
+        x, dout = self.inputs[0]
+        static = graphs.capture_step(self.fwd_bwd, x.detach().clone().requires_grad_(True), dout.clone())
+
+        def replay() -> None:
+            x, dout = self.inputs[self.index % NUM_INPUTS]
+            self.index += 1
+            static(x, dout)  # copies the new inputs into the graph's buffers, replays
+
+        return static, replay
+
+
+def wall_ms(step, steps: int = WALL_STEPS) -> float:
+    """Milliseconds per step of ``steps`` steps issued back to back."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def bench_layer(shape: Shape, backends: list[str], flush: L2Flush) -> list[dict]:
+    rows = []
+    inputs = make_inputs(shape)
+
+    def record(backend, step):
+        ms = time_ms(step, warmup=3, repeats=shape.repeats, flush=flush)
+        wall = wall_ms(step)
+        rows.append({"bench": "moe_layer", "op": "fwd_bwd", "shape": shape.label, "splits": "router",
+                     "backend": backend, "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1),
+                     "wall_ms": round(wall, 4)})
+        print(f"  {backend:<14} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  (back to back {wall:8.3f} ms/step)",
+              flush=True)
+
+    for backend in backends:
+        bench_grouped(shape, backend, inputs, record)
+        free_memory()
+    bench_loop(shape, inputs, record)
+    free_memory()
+    return rows
+
+
+def bench_grouped(shape: Shape, backend: str, inputs, record) -> None:
+    """``backend`` eagerly, then the same layer captured and replayed."""
+    steps = Steps(make_layer(shape, backend), inputs)
+    record(backend, steps.eager)
+    _, replay = steps.capture()
+    record(f"{backend}_graphed", replay)
+
+
+def bench_loop(shape: Shape, inputs, record) -> None:
+    layer = make_layer(shape, "torch", single_grouped_weight=False)
+    steps = Steps(layer, inputs, forward=lambda x: loop_forward(layer, x))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps.eager()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    if first > LOOP_LIMIT_S:
+        print(f"  loop           skipped: its first step took {first:.1f} s (> {LOOP_LIMIT_S} s)", flush=True)
+        return
+    record("loop", steps.eager)
+
+
+def bench_permute(shape: Shape, backends: list[str], flush: L2Flush) -> list[dict]:
+    rows = []
+    tokens, hidden, top_k, num_experts = shape.tokens, shape.hidden, shape.top_k, shape.experts
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, generator=gen).requires_grad_(True)
+    dout = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE, generator=gen)
+    scores = torch.rand(tokens, num_experts, device="cuda", generator=gen)
+    experts = scores.topk(top_k, dim=-1).indices
+    weights = torch.softmax(scores.gather(1, experts), dim=-1).requires_grad_(True)
+    copies = tokens * top_k
+    nbytes = (4 * tokens + 5 * copies) * hidden * x.element_size()
+    for backend in backends:
+        def step():
+            x.grad = weights.grad = None
+            permuted, _, row_id_map = permute(x, experts, num_experts, backend=backend)
+            unpermute(permuted, row_id_map, weights, backend=backend).backward(dout)
+
+        ms = time_ms(graphed(step), warmup=5, repeats=50, flush=flush)
+        rows.append({"bench": "moe_layer", "op": "permute", "shape": f"T{tokens}_H{hidden}_k{top_k}_E{num_experts}",
+                     "splits": "random_topk", "backend": backend, "ms": round(ms, 4),
+                     "gbps": round(nbytes / ms / 1e6, 1)})
+        print(f"  permute {backend:<6} {ms:9.4f} ms  {rows[-1]['gbps']:8.1f} GB/s", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    """The table and the ratios the project's bars are about."""
+    print(f"\n{'op':<8} {'shape':<40} {'backend':<14} {'ms':>9} {'wall_ms':>9} {'TFLOP/s|GB/s':>13}")
+    for r in rows:
+        metric = r.get("tflops", r.get("gbps"))
+        print(f"{r['op']:<8} {r['shape']:<40} {r['backend']:<14} {r['ms']:>9.3f} "
+              f"{r.get('wall_ms', float('nan')):>9.3f} {metric:>13.1f}")
+    ms = {(r["op"], r["shape"], r["backend"]): r for r in rows}
+    print("\nratios (speed-up = slower ms / faster ms; bars in brackets)")
+    for shape in SHAPES:
+        key = lambda backend: ("fwd_bwd", shape.label, backend)  # noqa: E731
+        for backend in ("cuda", "torch"):
+            if key(backend) in ms and key(f"{backend}_graphed") in ms:
+                eager, graphed = ms[key(backend)], ms[key(f"{backend}_graphed")]
+                bar = " [>= 1.2x]" if shape.name in DEEPSEEK_LIKE else ""
+                print(f"  {shape.name:<10} {backend}_graphed vs {backend}: {eager['ms'] / graphed['ms']:5.2f}x "
+                      f"(back to back {eager['wall_ms'] / graphed['wall_ms']:5.2f}x){bar}")
+        if key("cuda_graphed") in ms and key("torch_graphed") in ms:
+            print(f"  {shape.name:<10} cuda_graphed vs torch_graphed: "
+                  f"{ms[key('torch_graphed')]['ms'] / ms[key('cuda_graphed')]['ms']:5.2f}x [>= 1.15x]")
+        if key("cuda") in ms and key("loop") in ms:
+            print(f"  {shape.name:<10} cuda vs loop: {ms[key('loop')]['ms'] / ms[key('cuda')]['ms']:5.2f}x")
+    for r in rows:
+        if r["op"] == "permute":
+            bar = " [>= 2000 GB/s]" if r["backend"] == "cuda" else ""
+            print(f"  permute+unpermute fwd+bwd {r['shape']:<26} {r['backend']:<6} {r['gbps']:8.1f} GB/s{bar}")
+
+
+def main() -> None:
+    start = time.perf_counter()
+    backends = ["cuda", "torch"]
+    reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        print(f"skipping the cuda backend: {reason}")
+        backends.remove("cuda")
+    permute_backends = [b for b in ("cuda", "torch")
+                        if b != "cuda" or permute_cuda_unavailable_reason(torch.device("cuda")) is None]
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; fwd_bwd backends {backends} "
+          f"(+ _graphed, loop), permute backends {permute_backends}", flush=True)
+    flush = L2Flush()
+    warm_up_clocks()
+    rows = []
+    for shape in SHAPES:
+        print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)
+        rows += bench_layer(shape, backends, flush)
+        rows += bench_permute(shape, permute_backends, flush)
+        free_memory()
+    summarize(rows)
+    path = write_results("moe_layer", rows)
+    print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
