@@ -65,6 +65,7 @@ def check_and_copy(what: str, names: Sequence[str], statics: Sequence[torch.Tens
             f"{what} was captured with {len(statics)} tensor arguments ({', '.join(names)}) "
             f"but got {len(values)}"
         )
+    targets, sources = [], []
     for name, static, value in zip(names, statics, values):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{what}: {name} must be a tensor like the sample ({describe(static)}), got {type(value).__name__}")
@@ -80,5 +81,9 @@ def check_and_copy(what: str, names: Sequence[str], statics: Sequence[torch.Tens
                 "computes no gradient for it; capture with a sample that requires grad"
             )
         if value.data_ptr() != static.data_ptr() or value.stride() != static.stride():
-            with torch.no_grad():
-                static.copy_(value)
+            targets.append(static)
+            sources.append(value)
+    if targets:
+        # One dispatch for all the copies: the host cost of a replay is what graphs save.
+        with torch.no_grad():
+            torch._foreach_copy_(targets, sources)

@@ -44,9 +44,19 @@ class StepGraph:
         self.static_inputs = static_inputs
         self.static_outputs = static_outputs
         self._output_spec = output_spec
+        # A lone output (tensor or None) is the same static tensor after every replay: no
+        # per-call unflatten. A container is rebuilt per call, so callers may mutate it.
+        self._single = output_spec.is_leaf()
+        # Inputs captured as plain positional tensors (the usual case) need no pytree walk per call.
+        self._flat = spec == pytree.tree_flatten((tuple(static_inputs), {}))[1]
 
     def __call__(self, *inputs):
-        leaves, spec = pytree.tree_flatten((tuple(inputs), {}))
+        if self._flat and len(inputs) == len(self.static_inputs) and all(
+            isinstance(value, torch.Tensor) for value in inputs
+        ):
+            leaves, spec = inputs, self._spec
+        else:
+            leaves, spec = pytree.tree_flatten((tuple(inputs), {}))
         if spec != self._spec:
             raise TypeError(
                 f"the step was captured with inputs {', '.join(self._names)} and must be called "
@@ -55,13 +65,18 @@ class StepGraph:
         check_and_copy("the captured step", self._names, self.static_inputs, leaves)
         with nvtx.range("graphs.replay.step"):
             self.graph.replay()
+        return self._outputs()
+
+    def _outputs(self):
+        if self._single:
+            return self.static_outputs[0]
         return pytree.tree_unflatten(self.static_outputs, self._output_spec)
 
     def replay(self):
         """Replays with whatever the static inputs hold (no copies, no checks)."""
         with nvtx.range("graphs.replay.step"):
             self.graph.replay()
-        return pytree.tree_unflatten(self.static_outputs, self._output_spec)
+        return self._outputs()
 
 
 def capture_step(
