@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from moe_grouped import permute, unpermute
-from moe_grouped.permute import CUDA_MAX_EXPERTS, cuda_unavailable_reason, expert_capacity, permuted_rows
+from moe_grouped.permute import CUDA_MAX_EXPERTS, expert_capacity, permuted_rows
 
-from test_permute import ROUTINGS, make_experts
+from test_permute import ROUTINGS, gpu_backends, make_experts
 
 # A hand-worked example: 6 tokens, top-2 of 3 experts; copy i = 2 * t + j.
 #   expert 0: copies 0 (p .6), 2 (.7), 5 (.5), 6 (.9), 10 (.55)
@@ -244,13 +244,6 @@ def test_bad_capacity_arguments_are_refused(kwargs, error, message):
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
-
-
-def gpu_backends():
-    names = ["torch"]
-    if torch.cuda.is_available() and cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
-    return names
 
 
 @pytest.mark.gpu
