@@ -324,6 +324,11 @@ def dtype_code(dtype: torch.dtype) -> int:
         raise TypeError(f"the CUDA core has no code for dtype {dtype}") from None
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device ordinal the core takes: ``device``'s, or the current device's for plain "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current torch stream on ``device``."""
     return torch.cuda.current_stream(device).cuda_stream

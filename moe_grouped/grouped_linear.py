@@ -248,9 +248,10 @@ class GroupedLinear(nn.Module):
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             delay_wgrad_compute=self.delay_wgrad_compute,
         )
-        params = (*weights, *self.biases())
+        biases = self.biases()
+        params = (*weights, *biases)
         if recipe is not None:
-            grads_for = functools.partial(_fp8_param_grads, spec, weights, self.biases())
+            grads_for = functools.partial(_fp8_param_grads, spec, weights, biases)
             return fp8_linear.Fp8GroupedLinearFunction.apply(x, splits, spec, recipe, self._delayed, grads_for, *params)
         return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params)
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .mlp import GroupedMLP, SwiGLUMLP
-from .permute import DROP_POLICIES, _check_capacity_factor, permute, unpermute
+from .permute import check_drop_options, permute, unpermute
 from .router import Router, RoutingOutput
 
 
@@ -98,12 +98,7 @@ class MoELayer(nn.Module):
         for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"{name} must be a non-negative number, got {value!r}")
-        if capacity_factor is not None:
-            _check_capacity_factor(capacity_factor)
-        elif pad_to_capacity:
-            raise ValueError("pad_to_capacity=True needs a capacity_factor")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+        check_drop_options(capacity_factor, drop_policy, pad_to_capacity)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.pad_to_capacity = bool(pad_to_capacity)

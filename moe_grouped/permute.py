@@ -96,6 +96,16 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return math.ceil(num_tokens * top_k / num_experts * capacity_factor)
 
 
+def check_drop_options(capacity_factor: Optional[float], drop_policy: str, pad_to_capacity: bool) -> None:
+    """The token-dropping options of :func:`permute` (and MoELayer), checked before anything runs."""
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if capacity_factor is not None:
+        _check_capacity_factor(capacity_factor)
+    elif pad_to_capacity:
+        raise ValueError("pad_to_capacity=True needs a capacity_factor")
+
+
 def _check_capacity_factor(capacity_factor) -> None:
     if (
         not isinstance(capacity_factor, (int, float))
@@ -169,8 +179,7 @@ def permute(
         raise ValueError("experts must hold at least one choice per token (top_k >= 1), got top_k=0")
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-    if drop_policy not in DROP_POLICIES:
-        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    check_drop_options(capacity_factor, drop_policy, pad_to_capacity)
     num_tokens, top_k = experts.shape
     capacity = None
     if capacity_factor is not None:
@@ -186,8 +195,6 @@ def permute(
                 raise ValueError(
                     f"probs must have experts' shape {tuple(experts.shape)}, got {tuple(probs.shape)}"
                 )
-    elif pad_to_capacity:
-        raise ValueError("pad_to_capacity=True needs a capacity_factor")
     _checks.check_same_device("tokens", tokens, experts=experts, probs=probs)
     name = resolve_backend(backend, tokens.device)
     _check_dtype(name, tokens.dtype)

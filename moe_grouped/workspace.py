@@ -42,7 +42,7 @@ def _device_index(device: DeviceLike) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"workspaces live on CUDA devices, got device {device}")
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return _core.device_index(device)
 
 
 def reserve(device: DeviceLike, slot: int, nbytes: int) -> None:

@@ -99,9 +99,6 @@ __global__ void __launch_bounds__(kThreads)
 
 constexpr int kTileRows = kBlock;  // tokens per tile: one column-wise block
 constexpr int kTileCols = kBlock;  // columns per tile: one row-wise block
-constexpr int kRowsPerPass = kThreads / 8;
-constexpr int kPasses = kTileRows / kRowsPerPass;
-constexpr int kSegment = 16;  // tokens per lane in the column pass
 
 // Byte offset of element (r, c) in the shared tile. Rows are 128 * sizeof(T)
 // bytes of 16-byte chunks; a row's chunks are XOR-swizzled by its 16-row
@@ -187,14 +184,7 @@ __global__ void __launch_bounds__(kThreads)
     // cols % 16 == 0: a 16-column chunk is wholly inside or outside x.
     constexpr int kChunks = sizeof(T);  // 16-byte chunks per 16 elements
     uint4 raw[kPasses][kChunks];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
-      const bool valid = r < valid_rows && col < a.cols;
-      const uint4* src = reinterpret_cast<const uint4*>(x + (row0 + r) * a.cols + col);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) raw[p][k] = valid ? __ldg(src + k) : make_uint4(0, 0, 0, 0);
-    }
+    load_tile_chunks(x + row0 * a.cols + col, a.cols, valid_rows, col < a.cols, raw);
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;

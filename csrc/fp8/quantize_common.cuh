@@ -17,10 +17,34 @@ namespace moe_grouped::quantize {
 
 constexpr int kBlock = 128;    // elements per scaling block (1x128 and 128x128)
 constexpr int kThreads = 256;  // threads per CTA of every quantize kernel
+// A 128x128 tile is read with eight threads per row, 16 columns each, in
+// kPasses passes of kRowsPerPass rows; a column is later read as eight
+// 16-row segments (the column passes and the tiles' swizzle).
+constexpr int kRowsPerPass = kThreads / 8;
+constexpr int kPasses = kBlock / kRowsPerPass;
+constexpr int kSegment = 16;
 
 __device__ inline float to_float(float v) { return v; }
 __device__ inline float to_float(__half v) { return __half2float(v); }
 __device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// This thread's 16 columns of every pass of a tile, as 16-byte loads:
+// `first` is the tile's first row at this thread's first column, `ld` the
+// row stride; rows from valid_rows on, or all when !in_columns, read as zeros.
+template <typename T>
+__device__ inline void load_tile_chunks(const T* first, int64_t ld, int valid_rows, bool in_columns,
+                                        uint4 (&raw)[kPasses][sizeof(T)]) {
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+    const bool valid = r < valid_rows && in_columns;
+    const uint4* src = reinterpret_cast<const uint4*>(first + r * ld);
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(T)); ++k) {
+      raw[p][k] = valid ? __ldg(src + k) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
 
 // TransformerEngine's block-scaling scale rule (see the C ABI header).
 __device__ inline float compute_scale(float amax, float fp8_max, bool pow2, float epsilon) {

@@ -26,9 +26,6 @@ struct WeightArgs {
   bool vector_qt;       // n % 16 == 0 and qt 16-byte aligned
 };
 
-constexpr int kRowsPerPass = kThreads / 8;  // eight threads per row, 16 columns each
-constexpr int kPasses = kBlock / kRowsPerPass;
-constexpr int kSegment = 16;
 
 // Byte offset of (r, c) in the fp8 tile: 128-byte rows of 16-byte chunks,
 // XOR-swizzled by the row's 16-row segment (see grouped_quantize.cu).
@@ -59,14 +56,7 @@ __global__ void __launch_bounds__(kThreads) weight_128x128_kernel(const WeightAr
   if (vector_in) {
     constexpr int kChunks = sizeof(T);
     uint4 raw[kPasses][kChunks];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
-      const bool valid = r < valid_rows && c < valid_cols;
-      const uint4* src = reinterpret_cast<const uint4*>(w + (row0 + r) * a.k + col0 + c);
-#pragma unroll
-      for (int k = 0; k < kChunks; ++k) raw[p][k] = valid ? __ldg(src + k) : make_uint4(0, 0, 0, 0);
-    }
+    load_tile_chunks(w + row0 * a.k + col0 + c, a.k, valid_rows, c < valid_cols, raw);
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const T* values = reinterpret_cast<const T*>(raw[p]);

@@ -91,14 +91,7 @@ mg_status check_fp8_problem(const mg_grouped_problem* p, const char* op) {
                 "%s: FP8 grouped GEMMs produce bfloat16 (p->dtype), got %s", op,
                 dtype_name(p->dtype));
   }
-  if (p->n <= 0 || p->k <= 0 || p->n > INT32_MAX || p->k > INT32_MAX || p->n % 16 != 0 ||
-      p->k % 16 != 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: n and k must be positive multiples of 16 below 2^31 (16-byte fp8 rows for "
-                "TMA), got n=%lld k=%lld",
-                op, static_cast<long long>(p->n), static_cast<long long>(p->k));
-  }
-  return MG_OK;
+  return gemm::check_row_multiple(p, op, 16, "fp8 rows");
 }
 
 mg_status check_fp8_operand(const char* op, const char* name, const mg_fp8_operand& operand,

@@ -64,18 +64,23 @@ mg_status check_problem(const mg_grouped_problem* p, const char* op) {
   return MG_OK;
 }
 
+mg_status check_row_multiple(const mg_grouped_problem* p, const char* op, int multiple,
+                             const char* rows) {
+  if (p->n <= 0 || p->k <= 0 || p->n > INT32_MAX || p->k > INT32_MAX || p->n % multiple != 0 ||
+      p->k % multiple != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: n and k must be positive multiples of %d below 2^31 (16-byte %s for TMA), "
+                "got n=%lld k=%lld",
+                op, multiple, rows, static_cast<long long>(p->n), static_cast<long long>(p->k));
+  }
+  return MG_OK;
+}
+
 // TMA reads and writes whole 16-byte rows: n and k must be positive
 // multiples of 8 (bf16 / fp16 elements).
 mg_status check_gemm_problem(const mg_grouped_problem* p, const char* op) {
   MG_RETURN_IF_ERROR(check_problem(p, op));
-  if (p->n <= 0 || p->k <= 0 || p->n > INT32_MAX || p->k > INT32_MAX || p->n % 8 != 0 ||
-      p->k % 8 != 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: n and k must be positive multiples of 8 below 2^31 (16-byte rows for TMA), "
-                "got n=%lld k=%lld",
-                op, static_cast<long long>(p->n), static_cast<long long>(p->k));
-  }
-  return MG_OK;
+  return check_row_multiple(p, op, 8, "rows");
 }
 
 mg_status check_aligned(const char* op, const char* name, const void* ptr, bool allow_null) {

@@ -41,6 +41,10 @@ mg_status check_kind(const char* op, mg_gemm_kind kind);
 mg_status sm_count(int device, int* out);
 // The fields every grouped problem needs: groups, m_splits, dtype, rows.
 mg_status check_problem(const mg_grouped_problem* p, const char* op);
+// n and k positive, below 2^31 and multiples of `multiple` (elements per
+// 16-byte row); `rows` names those rows in the error.
+mg_status check_row_multiple(const mg_grouped_problem* p, const char* op, int multiple,
+                             const char* rows);
 // check_problem plus n and k positive multiples of 8 (16-byte 16-bit rows).
 mg_status check_gemm_problem(const mg_grouped_problem* p, const char* op);
 // A 16-byte aligned device pointer (NULL allowed when allow_null).

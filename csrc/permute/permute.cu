@@ -208,6 +208,18 @@ __device__ inline int64_t warp_row() {
   return static_cast<int64_t>(blockIdx.x) * kRowWarps + threadIdx.x / 32;
 }
 
+// This lane's vectors of the step at `base`: src[base + u * 32 + lane] for
+// u < kUnroll, those at or past `vectors` left alone.
+template <typename P>
+__device__ inline void load_step(const P* __restrict__ src, int64_t base, int lane, int64_t vectors,
+                                 P (&v)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t h = base + u * 32 + lane;
+    if (h < vectors) v[u] = src[h];
+  }
+}
+
 // permuted[row_id_map[t * top_k + j]] = x[t]; one warp per copy.
 template <typename T, int V>
 __global__ void __launch_bounds__(kRowThreads)
@@ -224,11 +236,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int lane = threadIdx.x % 32;
   for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
     P v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int64_t h = base + u * 32 + lane;
-      if (h < vectors) v[u] = src[h];
-    }
+    load_step(src, base, lane, vectors, v);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t h = base + u * 32 + lane;
@@ -263,11 +271,7 @@ __global__ void __launch_bounds__(kRowThreads)
       const float w = weights ? to_float(weights[token * top_k + j]) : 1.f;
       const P* src = reinterpret_cast<const P*>(y + row * hidden);
       P v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t h = base + u * 32 + lane;
-        if (h < vectors) v[u] = src[h];
-      }
+      load_step(src, base, lane, vectors, v);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
@@ -313,14 +317,8 @@ __global__ void __launch_bounds__(kRowThreads)
     float dot = 0.f;
     for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
       P gv[kUnroll], yv[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t h = base + u * 32 + lane;
-        if (h < vectors) {
-          gv[u] = g[h];
-          yv[u] = yr[h];
-        }
-      }
+      load_step(g, base, lane, vectors, gv);
+      load_step(yr, base, lane, vectors, yv);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t h = base + u * 32 + lane;

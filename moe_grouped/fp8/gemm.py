@@ -66,7 +66,8 @@ def _check_scales(name: str, scale_inv: torch.Tensor, shape: tuple) -> None:
         raise ValueError(f"{name}.scale_inv must have shape {tuple(shape)}, got {tuple(scale_inv.shape)}")
 
 
-def _host_splits(m_splits: torch.Tensor) -> list[int]:
+def host_splits(m_splits: torch.Tensor) -> list[int]:
+    """The counts on the host (a sync): for the reference path only."""
     return [int(c) for c in m_splits.tolist()]
 
 
@@ -86,7 +87,7 @@ def _problem(device: torch.device, m_splits, num_groups, total_rows, n, k, slot)
         m_splits=m_splits.data_ptr(),
         splits_dtype=_core.dtype_code(m_splits.dtype),
         dtype=_core.dtype_code(torch.bfloat16),
-        device=device.index if device.index is not None else torch.cuda.current_device(),
+        device=_core.device_index(device),
         workspace_slot=slot,
     )
 
@@ -131,7 +132,7 @@ def grouped_fprop_fp8(
         raise ValueError(f"bias must have shape {(e, n)}, got {tuple(bias.shape)}")
     if backend == "reference":
         weights = torch.stack([dequantize_128x128(BlockQuantized(w.data[g], w.scale_inv[g])) for g in range(e)])
-        y = _reference_rowwise(dequantize_1x128(x), weights.transpose(1, 2), _host_splits(m_splits), n)
+        y = _reference_rowwise(dequantize_1x128(x), weights.transpose(1, 2), host_splits(m_splits), n)
         if bias is not None:
             y += torch.repeat_interleave(bias.float(), m_splits.to(bias.device), dim=0, output_size=m)
         return y.to(torch.bfloat16)
@@ -143,7 +144,7 @@ def grouped_fprop_fp8(
     _core.check(
         lib.mg_grouped_fp8_fprop(
             ctypes.byref(problem), _core_operand(x), _core_operand(w),
-            bias.data_ptr() if bias is not None else None, y.data_ptr(), _stream(y),
+            bias.data_ptr() if bias is not None else None, y.data_ptr(), _core.stream_handle(y.device),
         )
     )
     return y
@@ -163,7 +164,7 @@ def grouped_dgrad_fp8(
     _check_scales("wt", wt.scale_inv, (e, -(-k // BLOCK), -(-n // BLOCK)))
     if backend == "reference":
         weights = torch.stack([dequantize_128x128(BlockQuantized(wt.data[g], wt.scale_inv[g])) for g in range(e)])
-        return _reference_rowwise(dequantize_1x128(dy), weights.transpose(1, 2), _host_splits(m_splits), k).to(
+        return _reference_rowwise(dequantize_1x128(dy), weights.transpose(1, 2), host_splits(m_splits), k).to(
             torch.bfloat16
         )
     lib = _require_core()
@@ -171,7 +172,7 @@ def grouped_dgrad_fp8(
     problem = _problem(dy.data.device, m_splits, e, m, n, k, _core.SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_fp8_dgrad(
-            ctypes.byref(problem), _core_operand(dy), _core_operand(wt), dx.data_ptr(), _stream(dx)
+            ctypes.byref(problem), _core_operand(dy), _core_operand(wt), dx.data_ptr(), _core.stream_handle(dx.device)
         )
     )
     return dx
@@ -216,7 +217,7 @@ def grouped_wgrad_fp8(
     if out_dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != out_dtype for t in targets):
         raise TypeError(f"wgrad outputs must all be float32 or all bfloat16, got {[t.dtype for t in targets]}")
     if backend == "reference":
-        _reference_wgrad(dyt, xt, _host_splits(m_splits), targets, grouped, accumulate)
+        _reference_wgrad(dyt, xt, host_splits(m_splits), targets, grouped, accumulate)
         return
     lib = _require_core()
     problem = _problem(dyt.data.device, m_splits, num_groups, total_rows, n, k, _core.SLOT_WGRAD)
@@ -224,13 +225,9 @@ def grouped_wgrad_fp8(
         lib.mg_grouped_fp8_wgrad(
             ctypes.byref(problem), _core_operand(dyt), _core_operand(xt),
             cuda_backend._operand(targets), _core.dtype_code(out_dtype), int(bool(accumulate)),
-            _stream(targets[0]),
+            _core.stream_handle(targets[0].device),
         )
     )
-
-
-def _stream(tensor: torch.Tensor) -> int:
-    return torch.cuda.current_stream(tensor.device).cuda_stream
 
 
 def _reference_rowwise(a: torch.Tensor, b_kn: torch.Tensor, splits: list[int], n: int) -> torch.Tensor:

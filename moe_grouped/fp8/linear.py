@@ -55,13 +55,9 @@ def check_supported(backend: str, x: torch.Tensor, n: int, k: int) -> None:
             )
 
 
-def _host_splits(m_splits: torch.Tensor) -> list[int]:
-    return [int(c) for c in m_splits.tolist()]
-
-
 def _quantize_tokens(x, m_splits, dtype, recipe: Float8BlockScaling, backend, *, rowwise, dbias) -> GroupedQuantized:
     if backend == "reference":
-        return quantize_grouped_1x128(x, _host_splits(m_splits), dtype, recipe.pow2_scales, recipe.amax_epsilon,
+        return quantize_grouped_1x128(x, gemm.host_splits(m_splits), dtype, recipe.pow2_scales, recipe.amax_epsilon,
                                       rowwise=rowwise, dbias=dbias)
     return quantize_grouped(x, m_splits, dtype, recipe.pow2_scales, recipe.amax_epsilon, rowwise=rowwise,
                             dbias=dbias, workspace_slot=SLOT_QUANTIZE)

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .. import _checks, _core
+from ..ops import cuda_backend  # the GEMMs' grouped operand and its address-array cache
 from .quantize_reference import (
     BlockQuantized,
     GroupedQuantized,
@@ -52,10 +53,6 @@ def _core_function(x: torch.Tensor, name: str):
     if function is None:
         raise RuntimeError(f"the CUDA core at {_core.library_path} lacks {name}; rebuild the package")
     return function
-
-
-def _device_index(x: torch.Tensor) -> int:
-    return x.device.index if x.device.index is not None else torch.cuda.current_device()
 
 
 def _check_buffer(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
@@ -198,7 +195,7 @@ def quantize_grouped(
             num_groups, config)
     rowwise_args = (row_buffers.data.data_ptr(), row_buffers.scale_inv.data_ptr()) if rowwise else ()
     tail = (columnwise.data.data_ptr(), columnwise.scale_inv.data_ptr(), None if sums is None else sums.data_ptr(),
-            _device_index(x), workspace_slot, _core.stream_handle(x.device))
+            _core.device_index(x.device), workspace_slot, _core.stream_handle(x.device))
     _core.check(function(*head, *rowwise_args, *tail))
     return GroupedQuantized(row_buffers, columnwise, sums)
 
@@ -242,11 +239,9 @@ def quantize_weights_128x128(
     if transpose:
         wt = _block_buffers("wt", None if out is None else out.wt, (num_groups, k, n),
                             (num_groups, col_tiles, row_tiles), fp8_dtype, device)
-    from ..ops.cuda_backend import _operand  # the GEMMs' operand and address-array cache
-
     _core.check(
         function(
-            _operand(experts), _core.dtype_code(experts[0].dtype), num_groups, n, k, config,
+            cuda_backend._operand(experts), _core.dtype_code(experts[0].dtype), num_groups, n, k, config,
             w.data.data_ptr(), w.scale_inv.data_ptr(),
             None if wt is None else wt.data.data_ptr(), None if wt is None else wt.scale_inv.data_ptr(),
             _core.stream_handle(device),

@@ -40,10 +40,6 @@ def shape_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % ALIGNMENT == 0 and k % ALIGNMENT == 0
 
 
-def _device_index(tensor: torch.Tensor) -> int:
-    return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
-
-
 def _problem(
     tokens: torch.Tensor, m_splits: torch.Tensor, num_groups: int, n: int, k: int, slot: int
 ) -> _core.GroupedProblem:
@@ -55,7 +51,7 @@ def _problem(
         m_splits=m_splits.data_ptr(),
         splits_dtype=_core.dtype_code(m_splits.dtype),
         dtype=_core.dtype_code(tokens.dtype),
-        device=_device_index(tokens),
+        device=_core.device_index(tokens.device),
         workspace_slot=slot,
     )
 
@@ -68,7 +64,7 @@ _POINTER_ARRAYS: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
 def _pointer_array(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
-    key = (_device_index(tensors[0]), tuple(t.data_ptr() for t in tensors))
+    key = (_core.device_index(tensors[0].device), tuple(t.data_ptr() for t in tensors))
     array = _POINTER_ARRAYS.get(key)
     if array is not None:
         return array
@@ -118,10 +114,6 @@ def _matrix_shape(tensors: Sequence[torch.Tensor]) -> tuple[int, int, int]:
     return len(tensors), n, k
 
 
-def _stream(tensor: torch.Tensor) -> int:
-    return torch.cuda.current_stream(tensor.device).cuda_stream
-
-
 def _check_out_dtype(out_dtype: torch.dtype, dtype: torch.dtype) -> None:
     if out_dtype not in (dtype, torch.float32):
         raise TypeError(
@@ -136,7 +128,7 @@ def workspace_size(
     """Bytes of workspace one GEMM of ``kind`` (``_core.GEMM_*``) takes; reserve before capture."""
     lib = _core.require()
     device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _core.device_index(device)
     problem = _core.GroupedProblem(
         num_groups=num_groups,
         total_rows=total_rows,
@@ -176,7 +168,7 @@ def fprop(
             bias.data_ptr() if bias is not None else None,
             y.data_ptr(),
             _core.dtype_code(out_dtype),
-            _stream(x),
+            _core.stream_handle(x.device),
         )
     )
     return y
@@ -198,7 +190,7 @@ def dgrad(
             _operand(weights),
             dx.data_ptr(),
             _core.dtype_code(out_dtype),
-            _stream(dy),
+            _core.stream_handle(dy.device),
         )
     )
     return dx
@@ -226,7 +218,7 @@ def wgrad(
             _operand(out),
             _core.dtype_code(out_dtype),
             1 if accumulate else 0,
-            _stream(dy),
+            _core.stream_handle(dy.device),
         )
     )
 
@@ -239,7 +231,8 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
     problem = _problem(dy, m_splits, num_groups, dy.shape[1], 0, SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_dbias(
-            ctypes.byref(problem), dy.data_ptr(), out.data_ptr(), _core.dtype_code(out_dtype), _stream(dy)
+            ctypes.byref(problem), dy.data_ptr(), out.data_ptr(), _core.dtype_code(out_dtype),
+            _core.stream_handle(dy.device),
         )
     )
     return out
