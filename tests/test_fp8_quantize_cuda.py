@@ -129,7 +129,11 @@ def test_rowwise_matches_reference_bitwise(cols, dtype, fp8_dtype, pow2, epsilon
 
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize(
-    "num_groups,rows,cols", [(1, 300, 64), (4, 517, 200), (32, 4096, 128), (256, 2000, 96), (8, 1000, 7)]
+    "num_groups,rows,cols",
+    # The column-wise walk goes in bands of two column tiles: (16, 32768, 1024)
+    # has four, (6, 3000, 320) a last band of one.
+    [(1, 300, 64), (4, 517, 200), (32, 4096, 128), (256, 2000, 96), (8, 1000, 7), (16, 32768, 1024),
+     (6, 3000, 320), (300, 2500, 128)],
 )
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
@@ -183,7 +187,7 @@ def test_grouped_dtypes_layouts_and_scale_options(dtype, cols, misaligned, rowwi
 
 
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
-@pytest.mark.parametrize("num_groups,rows,cols", [(8, 4096, 512), (128, 3000, 256), (3, 100, 1024)])
+@pytest.mark.parametrize("num_groups,rows,cols", [(8, 4096, 512), (128, 3000, 256), (3, 100, 1024), (16, 32768, 1024), (300, 3000, 256)])
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
 def test_fused_rowwise_columnwise_dbias_matches_reference_and_is_deterministic(pattern, num_groups, rows, cols, fp8_dtype):
     splits = make_splits(pattern, num_groups, rows, seed=rows)
