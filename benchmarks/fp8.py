@@ -4,7 +4,9 @@ GEMMs (op ``fprop``): our FP8 block-scaled kernels (``cuda_fp8``, operands
 already quantized) vs our bf16 kernels (``cuda``) vs torch._scaled_grouped_mm
 with row-wise scales (``torch_fp8_rowwise``, the nearest torch has). Op
 ``fwd_bwd``: one GroupedLinear forward + backward (weight gradient into a
-fresh tensor, no bias), FP8 with every quantization included vs bf16.
+fresh tensor, no bias), FP8 with every quantization included vs bf16, and
+``cuda_fp8_kept_weights``: a later micro-batch of gradient accumulation
+(``is_first_microbatch=False``), which reuses the FP8 weights of the first.
 
 Effective bandwidth counts the bytes the caller reads and gets written: the
 bf16 input, the fp8 data and the fp32 scales (and dbias) of each variant;
@@ -168,15 +170,19 @@ def gemm_rows(flush: L2Flush) -> list[dict]:
             xg = x.detach().requires_grad_(True)
             dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
 
-            def step(use_fp8):
+            def step(use_fp8, is_first_microbatch=None):
                 with fp8.fp8_autocast(recipe, enabled=use_fp8):
-                    y = layer(xg, splits)
+                    y = layer(xg, splits, is_first_microbatch=is_first_microbatch)
                 y.backward(dy)
                 layer.weight.grad = None
                 xg.grad = None
 
-            for backend, use_fp8 in (("cuda_fp8", True), ("cuda", False)):
-                ms = time_ms(lambda: step(use_fp8), flush=flush, repeats=15)
+            # cuda_fp8_kept_weights: a later micro-batch of gradient accumulation
+            # (is_first_microbatch=False), the weights quantized by the first.
+            step(True, is_first_microbatch=True)
+            for backend, use_fp8, first in (("cuda_fp8", True, None), ("cuda", False, None),
+                                            ("cuda_fp8_kept_weights", True, False)):
+                ms = time_ms(lambda: step(use_fp8, first), flush=flush, repeats=15)
                 rows.append(_gemm_row("fwd_bwd", shape, splits_kind, backend, ms, 3 * flops))
             del layer, xg, dy
         del x, w, wq, xq
@@ -195,6 +201,8 @@ def print_ratios(rows: list[dict]) -> None:
         for other in ("cuda", "torch_fp8_rowwise"):
             if other in tflops:
                 parts.append(f"{fp8_tflops / tflops[other]:.3f}x {other}")
+        if "cuda_fp8_kept_weights" in tflops:
+            parts.append(f"kept weights {tflops['cuda_fp8_kept_weights'] / tflops['cuda']:.3f}x cuda")
         print("  ".join(parts))
 
 

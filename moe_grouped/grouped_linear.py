@@ -188,6 +188,7 @@ class GroupedLinear(nn.Module):
         self.delay_wgrad_compute = delay_wgrad_compute
         self.backend = backends.check_name(backend)
         self._delayed: collections.deque = collections.deque()
+        self._fp8_weights = fp8_linear.WeightCache()  # is_first_microbatch
         factory = {"dtype": dtype, "device": device}
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features, **factory))
@@ -222,7 +223,20 @@ class GroupedLinear(nn.Module):
         for bias in self.biases():
             nn.init.uniform_(bias, -bound, bound)
 
-    def forward(self, x: torch.Tensor, m_splits: _checks.SplitsLike) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, m_splits: _checks.SplitsLike, is_first_microbatch: Optional[bool] = None
+    ) -> torch.Tensor:
+        """y = x W_e^T (+ b_e) for each expert's rows of x.
+
+        ``is_first_microbatch`` (FP8 only; ignored otherwise): None quantizes
+        the weights on every call; True quantizes them and keeps the FP8 copy;
+        False reuses the copy kept by the last True, so the later
+        micro-batches of a gradient-accumulation step skip the weight
+        quantization. False raises if the weights changed since (an optimizer
+        step: pass True after each one) or if nothing was kept.
+        """
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch must be None, True or False, got {is_first_microbatch!r}")
         _checks.check_tensor("x", x, dim=2)
         weights = self.weights()
         first = weights[0]
@@ -252,7 +266,10 @@ class GroupedLinear(nn.Module):
         params = (*weights, *biases)
         if recipe is not None:
             grads_for = functools.partial(_fp8_param_grads, spec, weights, biases)
-            return fp8_linear.Fp8GroupedLinearFunction.apply(x, splits, spec, recipe, self._delayed, grads_for, *params)
+            cached = self._fp8_weights.get(weights, recipe, backend, is_first_microbatch)
+            return fp8_linear.Fp8GroupedLinearFunction.apply(
+                x, splits, spec, recipe, self._delayed, grads_for, cached, *params
+            )
         return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params)
 
     def backward_dw(self) -> None:

@@ -66,8 +66,12 @@ class GroupedMLP(nn.Module):
         self.fc1 = GroupedLinear(num_experts, hidden, 2 * ffn_hidden, **options)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden, hidden, **options)
 
-    def forward(self, x: torch.Tensor, m_splits: _checks.SplitsLike) -> torch.Tensor:
-        return self.fc2(swiglu(self.fc1(x, m_splits)), m_splits)
+    def forward(
+        self, x: torch.Tensor, m_splits: _checks.SplitsLike, is_first_microbatch: Optional[bool] = None
+    ) -> torch.Tensor:
+        """``is_first_microbatch``: see :meth:`GroupedLinear.forward` (FP8 weight reuse)."""
+        hidden = self.fc1(x, m_splits, is_first_microbatch)
+        return self.fc2(swiglu(hidden), m_splits, is_first_microbatch)
 
     def backward_dw(self) -> None:
         """The deferred weight gradients of both layers (``delay_wgrad_compute=True``)."""

@@ -116,7 +116,13 @@ class MoELayer(nn.Module):
         )
         self.last_routing: Optional[RoutingOutput] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """The layer on x [tokens, hidden] or [batch, seq, hidden].
+
+        ``is_first_microbatch``: the experts' FP8 weight reuse across the
+        micro-batches of a gradient-accumulation step (see
+        :meth:`GroupedLinear.forward`).
+        """
         if not isinstance(x, torch.Tensor) or x.dim() not in (2, 3) or x.shape[-1] != self.hidden:
             raise ValueError(
                 f"x must have shape [tokens, {self.hidden}] or [batch, seq, {self.hidden}], got "
@@ -129,7 +135,7 @@ class MoELayer(nn.Module):
             capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
             pad_to_capacity=self.pad_to_capacity, backend=self.backend,
         )
-        expert_out = self.experts(permuted, m_splits)
+        expert_out = self.experts(permuted, m_splits, is_first_microbatch)
         out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)

@@ -33,15 +33,89 @@ def layers(backend: str, device: str, *, single: bool, bias: bool = True, **opti
     return base, twin
 
 
-def run(layer, x, m_splits, dy, recipe=None):
+def run(layer, x, m_splits, dy, recipe=None, **forward_options):
     x = x.detach().clone().requires_grad_(True)
     with fp8.fp8_autocast(recipe, enabled=recipe is not None):
-        y = layer(x, m_splits)
+        y = layer(x, m_splits, **forward_options)
     y.backward(dy)
     if layer.delay_wgrad_compute:
         layer.backward_dw()
     grads = [p.main_grad.clone() if hasattr(p, "main_grad") else p.grad for p in layer.parameters()]
     return y.detach(), x.grad, grads
+
+
+def microbatches(layer, recipe, device, first_flags):
+    """Runs three micro-batches (new x, dy and splits each) with the given
+    is_first_microbatch flags; returns each one's (y, dx, parameter grads)."""
+    results = []
+    for i, flag in enumerate(first_flags):
+        gen = torch.Generator().manual_seed(100 + i)
+        x = torch.randn(M, K, generator=gen).bfloat16().to(device)
+        dy = torch.randn(M, N, generator=gen).bfloat16().to(device)
+        splits = make_splits(["balanced", "skewed", "zero_token_experts"][i], E, M, seed=i)
+        splits = torch.tensor(splits, device=device) if device == "cuda" else splits
+        layer.zero_grad(set_to_none=True)
+        y, dx, grads = run(layer, x, splits, dy, recipe, is_first_microbatch=flag)
+        results.append((y, dx, [g.clone() for g in grads]))
+    return results
+
+
+def assert_same_results(got, want):
+    for step, ((y, dx, grads), (y_want, dx_want, grads_want)) in enumerate(zip(got, want)):
+        assert torch.equal(y, y_want) and torch.equal(dx, dx_want), f"micro-batch {step}"
+        for i, (a, b) in enumerate(zip(grads, grads_want)):
+            assert torch.equal(a, b), f"micro-batch {step}, parameter {i}"
+
+
+@pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "separate_weights"])
+def test_reference_fp8_kept_weights_give_the_same_steps(single):
+    # is_first_microbatch=True then False reuses the FP8 weights of the first
+    # micro-batch: bit for bit what quantizing them on every call gives.
+    base, twin = layers("reference", "cpu", single=single)
+    recipe = RECIPES["hybrid"]
+    assert_same_results(microbatches(twin, recipe, "cpu", [True, False, False]),
+                        microbatches(base, recipe, "cpu", [None, None, None]))
+
+
+def test_fp8_kept_weights_are_refused_when_stale():
+    layer, _ = layers("reference", "cpu", single=True)
+    x, splits = torch.randn(M, K).bfloat16(), make_splits("balanced", E, M)
+    recipe = RECIPES["e4m3"]
+    with fp8.fp8_autocast(recipe):
+        with pytest.raises(RuntimeError, match="no FP8 weights were kept"):
+            layer(x, splits, is_first_microbatch=False)
+        layer(x, splits, is_first_microbatch=True)
+        layer(x, splits, is_first_microbatch=False)
+        with torch.no_grad():
+            layer.weight.add_(1e-2)  # what an optimizer step does
+        with pytest.raises(RuntimeError, match="changed since"):
+            layer(x, splits, is_first_microbatch=False)
+        layer(x, splits, is_first_microbatch=True)
+        layer(x, splits, is_first_microbatch=False)
+    with fp8.fp8_autocast(fp8.Float8BlockScaling("E4M3", pow2_scales=False)):
+        with pytest.raises(RuntimeError, match="changed since"):
+            layer(x, splits, is_first_microbatch=False)
+    with pytest.raises(TypeError, match="is_first_microbatch"):
+        layer(x, splits, is_first_microbatch=1)
+    # Outside fp8_autocast there is nothing to keep: the flag is accepted and ignored.
+    assert torch.equal(layer(x, splits, is_first_microbatch=False), layer(x, splits))
+
+
+def test_grouped_mlp_passes_is_first_microbatch_to_both_layers():
+    torch.manual_seed(0)
+    mlp = moe_grouped.GroupedMLP(E, K, 128, dtype=torch.bfloat16, backend="reference")
+    x, splits = torch.randn(M, K).bfloat16(), make_splits("skewed", E, M)
+    with fp8.fp8_autocast(RECIPES["e4m3"]):
+        want = mlp(x, splits)
+        mlp(x, splits, is_first_microbatch=True)
+        with torch.no_grad():
+            mlp.fc2.weight0.mul_(2.0)
+        with pytest.raises(RuntimeError, match="changed since"):
+            mlp(x, splits, is_first_microbatch=False)
+        with torch.no_grad():
+            mlp.fc2.weight0.mul_(0.5)  # exact: back to the kept values, but the version moved on
+        mlp(x, splits, is_first_microbatch=True)
+        assert torch.equal(mlp(x, splits, is_first_microbatch=False), want)
 
 
 # FP8 (3-4 significant bits) against bf16, measured as DeepGEMM's 1 - cos-like
@@ -158,3 +232,50 @@ def test_cuda_fp8_graph_500_replays_match_eager_bitwise(fuse, single):
           f"compared, {report.mismatches} mismatches, patterns {report.patterns}")
     assert report.replays == 500 and report.mismatches == 0
     assert set(report.patterns) == set(graph_splits.PATTERNS)
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "separate_weights"])
+def test_cuda_fp8_kept_weights_give_the_same_steps(single):
+    base, twin = layers("cuda", "cuda", single=single)
+    recipe = RECIPES["hybrid"]
+    assert_same_results(microbatches(twin, recipe, "cuda", [True, False, False]),
+                        microbatches(base, recipe, "cuda", [None, None, None]))
+
+
+@pytest.mark.gpu
+@cuda_fp8
+def test_cuda_fp8_graphs_of_first_and_later_microbatches_follow_weight_updates():
+    # Graph A captures a first micro-batch (quantizes the weights into the kept
+    # buffers), graph B a later one (reads them). After each in-place weight
+    # update, replaying A then B must match eager FP8 with fresh quantization.
+    base, layer = layers("cuda", "cuda", single=True)
+    recipe = RECIPES["e4m3"]
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    splits = torch.tensor(make_splits("balanced", E, M), device="cuda")
+    with torch.no_grad(), fp8.fp8_autocast(recipe):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: the kept buffers and pointer caches exist before capture
+            layer(x, splits, is_first_microbatch=True)
+            layer(x, splits, is_first_microbatch=False)
+        torch.cuda.current_stream().wait_stream(side)
+        first, later = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(first):
+            y_first = layer(x, splits, is_first_microbatch=True)
+        with torch.cuda.graph(later):
+            y_later = layer(x, splits, is_first_microbatch=False)
+        for step in range(20):
+            gen = torch.Generator(device="cuda").manual_seed(step)
+            update = torch.randn(layer.weight.shape, device="cuda", generator=gen).bfloat16() * 1e-2
+            layer.weight.add_(update)
+            base.weight.add_(update)
+            x.copy_(torch.randn(M, K, device="cuda", generator=gen))
+            splits.copy_(torch.tensor(make_splits(["balanced", "skewed", "all_to_one"][step % 3], E, M, seed=step)))
+            first.replay()
+            want_first = base(x, splits)
+            assert torch.equal(y_first, want_first), f"step {step}: first micro-batch"
+            x.copy_(torch.randn(M, K, device="cuda", generator=gen))
+            later.replay()
+            assert torch.equal(y_later, base(x, splits)), f"step {step}: later micro-batch"

@@ -63,30 +63,82 @@ def _quantize_tokens(x, m_splits, dtype, recipe: Float8BlockScaling, backend, *,
                             dbias=dbias, workspace_slot=SLOT_QUANTIZE)
 
 
-def _quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose) -> WeightQuantized:
+def _quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose, out=None) -> WeightQuantized:
     if backend == "reference":
         return quantize_grouped_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
                                         transpose=transpose)
     return quantize_weights_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
-                                    transpose=transpose)
+                                    transpose=transpose, out=out)
+
+
+class WeightCache:
+    """A layer's FP8 weights kept from one micro-batch to the next.
+
+    ``GroupedLinear(..., is_first_microbatch=True)`` quantizes the weights
+    (with the transposed copy) and keeps them here; ``False`` reuses them, so
+    the micro-batches of a gradient-accumulation step after the first skip the
+    weight quantization. Reuse is refused, with an error, when the weights
+    were modified in place (their version counters moved: an optimizer step),
+    were replaced, or the recipe changed: pass ``True`` again after each
+    optimizer step. Writes through ``.data`` bypass the version counter and
+    are not detected. On the cuda backend each ``True`` rewrites the same
+    buffers, so a CUDA graph captured with ``True`` and one captured with
+    ``False`` share them: replaying the first after an optimizer step
+    refreshes what the second reads.
+    """
+
+    def __init__(self):
+        self._stamp: Optional[tuple] = None
+        self._weights: Optional[WeightQuantized] = None
+
+    @staticmethod
+    def _stamp_of(weights, recipe: Float8BlockScaling, backend: str) -> tuple:
+        layout = (recipe.forward_dtype, backend, weights[0].device, tuple(tuple(w.shape) for w in weights))
+        contents = (recipe.pow2_scales, recipe.amax_epsilon, tuple((w.data_ptr(), w._version) for w in weights))
+        return layout, contents
+
+    def get(self, weights, recipe: Float8BlockScaling, backend: str, is_first_microbatch: Optional[bool]):
+        """The FP8 weights for this call, or None to quantize them inside it."""
+        if is_first_microbatch is None:
+            return None
+        stamp = self._stamp_of(weights, recipe, backend)
+        if is_first_microbatch:
+            same_layout = self._stamp is not None and self._stamp[0] == stamp[0]
+            out = self._weights if same_layout and backend != "reference" else None
+            with torch.no_grad():
+                self._weights = _quantize_weights(weights, recipe, backend, transpose=True, out=out)
+            self._stamp = stamp
+        elif self._weights is None:
+            raise RuntimeError(
+                "is_first_microbatch=False, but no FP8 weights were kept: pass is_first_microbatch=True on the "
+                "first micro-batch (inside fp8_autocast) after each optimizer step"
+            )
+        elif stamp != self._stamp:
+            raise RuntimeError(
+                "is_first_microbatch=False, but the weights (or the FP8 recipe or backend) changed since "
+                "is_first_microbatch=True quantized them: pass is_first_microbatch=True after each optimizer step"
+            )
+        return self._weights
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """y = x W_e^T (+ b_e) per expert in FP8; see the module docstring.
 
     ``spec`` is GroupedLinear's ``_Spec``; ``grads_for`` turns (dyt, xt,
-    dbias) into parameter gradients (GroupedLinear decides where they go).
+    dbias) into parameter gradients (GroupedLinear decides where they go);
+    ``cached``: the weights already quantized (WeightCache), or None.
     """
 
     @staticmethod
-    def forward(ctx, x, m_splits, spec, recipe: Float8BlockScaling, delayed: collections.deque, grads_for, *params):
+    def forward(ctx, x, m_splits, spec, recipe: Float8BlockScaling, delayed: collections.deque, grads_for,
+                cached: Optional[WeightQuantized], *params):
         weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
         bias = None
         if spec.has_bias:
             bias = biases[0] if len(biases) == 1 and biases[0].dim() == 2 else torch.stack(list(biases))
         need_dgrad = ctx.needs_input_grad[0]
-        need_wgrad = any(ctx.needs_input_grad[6 : 6 + spec.num_weights])
-        wq = _quantize_weights(weights, recipe, spec.backend, transpose=need_dgrad)
+        need_wgrad = any(ctx.needs_input_grad[_PARAMS : _PARAMS + spec.num_weights])
+        wq = cached if cached is not None else _quantize_weights(weights, recipe, spec.backend, transpose=need_dgrad)
         xq = _quantize_tokens(x, m_splits, recipe.forward_dtype, recipe, spec.backend, rowwise=True, dbias=False)
         y = gemm.grouped_fprop_fp8(xq.rowwise, wq.w, m_splits, bias, backend=spec.backend)
         saved = [m_splits]
@@ -101,7 +153,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         m_splits, wt_data, wt_scale, xt_data, xt_scale, *params = ctx.saved_tensors
         spec, recipe = ctx.spec, ctx.recipe
-        need_params = any(ctx.needs_input_grad[6:])
+        need_params = any(ctx.needs_input_grad[_PARAMS:])
         dyq = _quantize_tokens(
             dy.contiguous(), m_splits, recipe.backward_dtype, recipe, spec.backend,
             rowwise=ctx.needs_input_grad[0], dbias=spec.has_bias and need_params,
@@ -118,7 +170,11 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
                 ctx.delayed.append((list(params), lambda: grads_for(*job)))
             else:
                 grads = grads_for(*job)
-        return (dx, None, None, None, None, None, *grads)
+        return (dx, *([None] * (_PARAMS - 1)), *grads)
+
+
+# Fp8GroupedLinearFunction's inputs before the parameters.
+_PARAMS = 7
 
 
 def wgrad_into(dyt, xt, m_splits, total_rows: int, out: list, *, accumulate: bool, backend: str) -> None:
