@@ -6,7 +6,9 @@ with row-wise scales (``torch_fp8_rowwise``, the nearest torch has). Op
 ``fwd_bwd``: one GroupedLinear forward + backward (weight gradient into a
 fresh tensor, no bias), FP8 with every quantization included vs bf16, and
 ``cuda_fp8_kept_weights``: a later micro-batch of gradient accumulation
-(``is_first_microbatch=False``), which reuses the FP8 weights of the first.
+(``is_first_microbatch=False``), which reuses the FP8 weights of the first;
+each also as ``<backend>_graphed``, the step captured in a CUDA graph and
+replayed (GPU time, without the host's launch latency at the step's start).
 
 Effective bandwidth counts the bytes the caller reads and gets written: the
 bf16 input, the fp8 data and the fp32 scales (and dbias) of each variant;
@@ -179,11 +181,17 @@ def gemm_rows(flush: L2Flush) -> list[dict]:
 
             # cuda_fp8_kept_weights: a later micro-batch of gradient accumulation
             # (is_first_microbatch=False), the weights quantized by the first.
+            # *_graphed: the same step captured and replayed (GPU time only, as
+            # a captured training step runs it).
             step(True, is_first_microbatch=True)
             for backend, use_fp8, first in (("cuda_fp8", True, None), ("cuda", False, None),
                                             ("cuda_fp8_kept_weights", True, False)):
                 ms = time_ms(lambda: step(use_fp8, first), flush=flush, repeats=15)
                 rows.append(_gemm_row("fwd_bwd", shape, splits_kind, backend, ms, 3 * flops))
+                replay = graphed(lambda: step(use_fp8, first))
+                ms = time_ms(replay, flush=flush, repeats=15)
+                rows.append(_gemm_row("fwd_bwd", shape, splits_kind, backend + "_graphed", ms, 3 * flops))
+                del replay
             del layer, xg, dy
         del x, w, wq, xq
         torch.cuda.empty_cache()
@@ -203,6 +211,10 @@ def print_ratios(rows: list[dict]) -> None:
                 parts.append(f"{fp8_tflops / tflops[other]:.3f}x {other}")
         if "cuda_fp8_kept_weights" in tflops:
             parts.append(f"kept weights {tflops['cuda_fp8_kept_weights'] / tflops['cuda']:.3f}x cuda")
+        if "cuda_graphed" in tflops:
+            graphed_bf16 = tflops["cuda_graphed"]
+            parts.append(f"graphed {tflops['cuda_fp8_graphed'] / graphed_bf16:.3f}x, kept weights "
+                         f"{tflops['cuda_fp8_kept_weights_graphed'] / graphed_bf16:.3f}x cuda_graphed")
         print("  ".join(parts))
 
 
