@@ -5,6 +5,9 @@ Backends, all in one process on the same data:
   torch  torch._grouped_mm with int32 cumulative offsets (also CUTLASS SM90)
   loop   one torch.matmul per expert (host splits; not graph-safe)
   dense  one torch.matmul of the same FLOPs, [M, K] x [K, N]: the ceiling
+  cuda_graphed, torch_graphed  the cuda and torch ops captured in a CUDA graph
+         and replayed: GPU time, without the host's launch latency, which the
+         eager rows of the short ops (E=128: 0.4-0.5 ms) include
 
 Ops: fprop (y = x W^T), dgrad (dx = dy W), wgrad (dW = dy^T x per expert,
 written in the operand dtype, no accumulation), fwd_bwd (the three in a row).
@@ -27,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, time_ms, write_results  # noqa: E402
+from common import L2Flush, graphed, print_table, time_ms, write_results  # noqa: E402
 
 # (E, M, K, N)
 SHAPES = [
@@ -172,12 +175,16 @@ def main() -> None:
         for splits_kind in SPLITS:
             problem = Problem(shape, splits_kind)
             for op in OPS:
-                for backend in ("cuda", "torch", "loop", "dense"):
-                    fn = getattr(problem, f"{backend}_op")(op)
+                for backend in ("cuda", "torch", "loop", "dense", "cuda_graphed", "torch_graphed"):
+                    if backend.endswith("_graphed"):
+                        fn = graphed(getattr(problem, f"{backend[: -len('_graphed')]}_op")(op))
+                    else:
+                        fn = getattr(problem, f"{backend}_op")(op)
                     ms = time_ms(fn, repeats=args.repeats, flush=flush)
                     rows.append({"bench": "grouped_gemm", "op": op, "shape": shape_name(shape),
                                  "splits": splits_kind, "backend": backend, "ms": round(ms, 5),
                                  "tflops": round(problem.flops(op) / ms / 1e9, 2)})
+                    del fn
                 if args.tiles is not None and op in TILES:
                     main_grad = torch.zeros(problem.dw.shape, device="cuda")
                     for tile in TILES[op]:
@@ -201,18 +208,20 @@ def main() -> None:
 
 
 def summarize(rows) -> None:
-    """cuda / torch speed ratio per op, and its geometric mean."""
+    """cuda / torch speed ratio per op, and its geometric mean: eager, then graphed."""
     by_key = {(r["op"], r["shape"], r["splits"], r["backend"]): r for r in rows}
-    for op in OPS:
-        ratios = []
-        for (o, shape, splits, backend), row in by_key.items():
-            if o == op and backend == "cuda":
-                ratio = by_key[(o, shape, splits, "torch")]["ms"] / row["ms"]
-                ratios.append(ratio)
-                print(f"{op:<8} {shape:<24} {splits:<9} cuda/torch {ratio:5.3f}  "
-                      f"({row['tflops']:.0f} vs {by_key[(o, shape, splits, 'torch')]['tflops']:.0f} TFLOP/s)")
-        geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
-        print(f"{op:<8} geometric mean cuda/torch {geomean:.3f}, min {min(ratios):.3f}\n")
+    for ours, theirs in (("cuda", "torch"), ("cuda_graphed", "torch_graphed")):
+        for op in OPS:
+            ratios = []
+            for (o, shape, splits, backend), row in by_key.items():
+                if o == op and backend == ours:
+                    other = by_key[(o, shape, splits, theirs)]
+                    ratio = other["ms"] / row["ms"]
+                    ratios.append(ratio)
+                    print(f"{op:<8} {shape:<24} {splits:<9} {ours}/{theirs} {ratio:5.3f}  "
+                          f"({row['tflops']:.0f} vs {other['tflops']:.0f} TFLOP/s)")
+            geomean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+            print(f"{op:<8} geometric mean {ours}/{theirs} {geomean:.3f}, min {min(ratios):.3f}\n")
 
 
 if __name__ == "__main__":
