@@ -91,6 +91,7 @@ struct Fp8GroupedGemm {
   using ElementBias = cutlass::bfloat16_t;
   using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
   using ElementAccumulator = float;
+  static constexpr bool kBlockScaled = true;  // per-group scale pointers in the Workspace
   using Tile = typename ScheduleTraits<Schedule>::Tile;
   using Cluster = cute::Shape<_1, _2, _1>;
   using LayoutA = cutlass::layout::RowMajor;
@@ -141,50 +142,11 @@ struct Fp8GroupedGemm {
   using StrideD = typename Kernel::InternalStrideD;
 };
 
-// ---- workspace layout ----------------------------------------------------
+// ---- workspace layout: gemm/sm90_grouped_gemm.cuh's, with the scale pointers
 
-template <class G>
-struct Workspace {
-  int64_t* offsets = nullptr;  // [E + 1]
-  typename G::UnderlyingShape* shapes = nullptr;
-  const typename G::ElementA** ptr_a = nullptr;
-  const typename G::ElementB** ptr_b = nullptr;
-  const float** ptr_sfa = nullptr;
-  const float** ptr_sfb = nullptr;
-  typename G::ElementD** ptr_d = nullptr;  // also C for wgrad
-  const typename G::ElementBias** ptr_bias = nullptr;
-  typename G::StrideA* stride_a = nullptr;
-  typename G::StrideB* stride_b = nullptr;
-  typename G::StrideD* stride_d = nullptr;
-  void* gemm = nullptr;
-  size_t bytes = 0;
-};
-
-template <class G>
-Workspace<G> carve_workspace(void* base, int num_groups, int sm_count) {
-  WorkspaceCarver carver(base);
-  Workspace<G> w;
-  w.offsets = carver.take<int64_t>(num_groups + 1);
-  w.shapes = carver.take<typename G::UnderlyingShape>(num_groups);
-  w.ptr_a = carver.take<const typename G::ElementA*>(num_groups);
-  w.ptr_b = carver.take<const typename G::ElementB*>(num_groups);
-  w.ptr_sfa = carver.take<const float*>(num_groups);
-  w.ptr_sfb = carver.take<const float*>(num_groups);
-  w.ptr_d = carver.take<typename G::ElementD*>(num_groups);
-  if (G::kKind == MG_GEMM_FPROP) w.ptr_bias = carver.take<const typename G::ElementBias*>(num_groups);
-  w.stride_a = carver.take<typename G::StrideA>(num_groups);
-  w.stride_b = carver.take<typename G::StrideB>(num_groups);
-  w.stride_d = carver.take<typename G::StrideD>(num_groups);
-  w.gemm = carver.take<char>(
-      G::Gemm::get_workspace_size(gemm::sm90::sizing_arguments<G>(num_groups, sm_count)));
-  w.bytes = carver.bytes_used();
-  return w;
-}
-
-template <class G>
-size_t workspace_bytes(int num_groups, int sm_count) {
-  return carve_workspace<G>(nullptr, num_groups, sm_count).bytes;
-}
+using gemm::sm90::carve_workspace;
+using gemm::sm90::Workspace;
+using gemm::sm90::workspace_bytes;
 
 // ---- setup kernel --------------------------------------------------------
 

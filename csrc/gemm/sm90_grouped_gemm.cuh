@@ -96,7 +96,11 @@ struct GroupedGemm {
   static constexpr TileConfig kConfig = Config;
 
   using Element = typename ElementOf<Dtype>::type;
+  using ElementA = Element;  // the names the shared Workspace uses
+  using ElementB = Element;
+  using ElementBias = Element;
   using ElementD = typename ElementOf<OutDtype>::type;
+  static constexpr bool kBlockScaled = false;  // no per-group scale pointers
   // Only wgrad reads C (dW itself, when accumulating); the others store only.
   using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
   using ElementAccumulator = float;
@@ -147,15 +151,19 @@ struct GroupedGemm {
 // ---- workspace layout ----------------------------------------------------
 
 // The per-group argument arrays followed by CUTLASS's own workspace; carved
-// the same way for sizing (base == nullptr) and for use.
+// the same way for sizing (base == nullptr) and for use. Shared with the FP8
+// block-scaled kernels (fp8_gemm/sm90_fp8_grouped_gemm.cuh), which also keep
+// per-group scale pointers (G::kBlockScaled).
 template <class G>
 struct Workspace {
   int64_t* offsets = nullptr;  // [E + 1]
   typename G::UnderlyingShape* shapes = nullptr;
-  const typename G::Element** ptr_a = nullptr;
-  const typename G::Element** ptr_b = nullptr;
+  const typename G::ElementA** ptr_a = nullptr;
+  const typename G::ElementB** ptr_b = nullptr;
+  const float** ptr_sfa = nullptr;  // block-scaled only
+  const float** ptr_sfb = nullptr;  // block-scaled only
   typename G::ElementD** ptr_d = nullptr;  // also C for wgrad
-  const typename G::Element** ptr_bias = nullptr;
+  const typename G::ElementBias** ptr_bias = nullptr;
   typename G::StrideA* stride_a = nullptr;
   typename G::StrideB* stride_b = nullptr;
   typename G::StrideD* stride_d = nullptr;  // also C for wgrad
@@ -178,10 +186,14 @@ Workspace<G> carve_workspace(void* base, int num_groups, int sm_count) {
   Workspace<G> w;
   w.offsets = carver.take<int64_t>(num_groups + 1);
   w.shapes = carver.take<typename G::UnderlyingShape>(num_groups);
-  w.ptr_a = carver.take<const typename G::Element*>(num_groups);
-  w.ptr_b = carver.take<const typename G::Element*>(num_groups);
+  w.ptr_a = carver.take<const typename G::ElementA*>(num_groups);
+  w.ptr_b = carver.take<const typename G::ElementB*>(num_groups);
+  if constexpr (G::kBlockScaled) {
+    w.ptr_sfa = carver.take<const float*>(num_groups);
+    w.ptr_sfb = carver.take<const float*>(num_groups);
+  }
   w.ptr_d = carver.take<typename G::ElementD*>(num_groups);
-  if (G::kKind == MG_GEMM_FPROP) w.ptr_bias = carver.take<const typename G::Element*>(num_groups);
+  if (G::kKind == MG_GEMM_FPROP) w.ptr_bias = carver.take<const typename G::ElementBias*>(num_groups);
   w.stride_a = carver.take<typename G::StrideA>(num_groups);
   w.stride_b = carver.take<typename G::StrideB>(num_groups);
   w.stride_d = carver.take<typename G::StrideD>(num_groups);
