@@ -38,6 +38,11 @@ backward (read T*H and n*H, write n*H), permute's backward (read n*H, write
 T*H): (4 T + 5 n) * H * 2 bytes. The index pass and the [T, top_k] weights are
 not counted.
 
+op ``swiglu``: ``moe_grouped.swiglu`` forward + backward on the experts' fc1
+output [T * top_k, 2 * ffn] bf16, replayed from a graph, for the cuda (fused
+kernels) and torch (composed ops) backends. ``gbps``: (read h, write y, read
+dy and h, write dh) = 8 * T * top_k * ffn * 2 bytes.
+
     python benchmarks/moe_layer.py     # table + results/moe_layer-<gpu>.json
 """
 
@@ -62,7 +67,8 @@ from common import L2Flush, graphed, time_ms, write_results  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 from moe_grouped import MoELayer, graphs, permute, unpermute  # noqa: E402
 from moe_grouped.permute import cuda_unavailable_reason as permute_cuda_unavailable_reason  # noqa: E402
-from moe_grouped.mlp import swiglu  # noqa: E402
+from moe_grouped.activation import cuda_unavailable_reason as swiglu_cuda_unavailable_reason  # noqa: E402
+from moe_grouped.activation import swiglu  # noqa: E402
 from moe_grouped.moe_layer import _AttachAuxLoss  # noqa: E402
 
 
@@ -124,7 +130,7 @@ def loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     permuted, m_splits, row_id_map = permute(x, routing.experts, layer.num_experts, backend="torch")
     fc1, fc2 = layer.experts.fc1, layer.experts.fc2
     outs = [
-        F.linear(swiglu(F.linear(rows, getattr(fc1, f"weight{e}"))), getattr(fc2, f"weight{e}"))
+        F.linear(swiglu(F.linear(rows, getattr(fc1, f"weight{e}")), backend="torch"), getattr(fc2, f"weight{e}"))
         for e, rows in enumerate(permuted.split(m_splits.tolist()))  # .tolist(): a host sync
     ]
     out = unpermute(torch.cat(outs), row_id_map, routing.weights, backend="torch")
@@ -253,6 +259,27 @@ def bench_permute(shape: Shape, backends: list[str], flush: L2Flush) -> list[dic
     return rows
 
 
+def bench_swiglu(shape: Shape, backends: list[str], flush: L2Flush) -> list[dict]:
+    """SwiGLU forward + backward on the experts' fc1 output [T * top_k, 2 * ffn], replayed from a graph."""
+    rows = []
+    copies = shape.tokens * shape.top_k
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h = torch.randn(copies, 2 * shape.ffn, device="cuda", dtype=DTYPE, generator=gen).requires_grad_(True)
+    dy = torch.randn(copies, shape.ffn, device="cuda", dtype=DTYPE, generator=gen)
+    # forward: read h, write y; backward: read dy and h, write dh.
+    nbytes = copies * shape.ffn * (2 + 1 + 1 + 2 + 2) * h.element_size()
+    for backend in backends:
+        def step():
+            h.grad = None
+            swiglu(h, backend=backend).backward(dy)
+
+        ms = time_ms(graphed(step), warmup=5, repeats=50, flush=flush)
+        rows.append({"bench": "moe_layer", "op": "swiglu", "shape": f"M{copies}_F{shape.ffn}",
+                     "splits": "-", "backend": backend, "ms": round(ms, 4), "gbps": round(nbytes / ms / 1e6, 1)})
+        print(f"  swiglu  {backend:<6} {ms:9.4f} ms  {rows[-1]['gbps']:8.1f} GB/s", flush=True)
+    return rows
+
+
 def summarize(rows: list[dict]) -> None:
     """The table and the ratios the project's bars are about."""
     print(f"\n{'op':<8} {'shape':<40} {'backend':<14} {'ms':>9} {'wall_ms':>9} {'TFLOP/s|GB/s':>13}")
@@ -279,6 +306,8 @@ def summarize(rows: list[dict]) -> None:
         if r["op"] == "permute":
             bar = " [>= 2000 GB/s]" if r["backend"] == "cuda" else ""
             print(f"  permute+unpermute fwd+bwd {r['shape']:<26} {r['backend']:<6} {r['gbps']:8.1f} GB/s{bar}")
+        elif r["op"] == "swiglu":
+            print(f"  swiglu fwd+bwd            {r['shape']:<26} {r['backend']:<6} {r['gbps']:8.1f} GB/s")
 
 
 def main() -> None:
@@ -290,6 +319,8 @@ def main() -> None:
         backends.remove("cuda")
     permute_backends = [b for b in ("cuda", "torch")
                         if b != "cuda" or permute_cuda_unavailable_reason(torch.device("cuda")) is None]
+    swiglu_backends = [b for b in ("cuda", "torch")
+                       if b != "cuda" or swiglu_cuda_unavailable_reason(torch.device("cuda")) is None]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; fwd_bwd backends {backends} "
           f"(+ _graphed, loop), permute backends {permute_backends}", flush=True)
     flush = L2Flush()
@@ -299,6 +330,7 @@ def main() -> None:
         print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)
         rows += bench_layer(shape, backends, flush)
         rows += bench_permute(shape, permute_backends, flush)
+        rows += bench_swiglu(shape, swiglu_backends, flush)
         free_memory()
     summarize(rows)
     path = write_results("moe_layer", rows)

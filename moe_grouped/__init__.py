@@ -12,6 +12,7 @@ from . import graphs  # noqa: F401  (capture/replay helpers, usable on any modul
 from . import backends, fp8, ops, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
+from .activation import swiglu
 from .grouped_linear import GroupedLinear
 from .mlp import GroupedMLP, SwiGLUMLP
 from .moe_layer import MoELayer
@@ -30,6 +31,7 @@ __all__ = [
     "RoutingOutput",
     "permute",
     "unpermute",
+    "swiglu",
     "grouped_fprop",
     "grouped_dgrad",
     "grouped_wgrad",

@@ -33,6 +33,7 @@ CAP_GROUPED_GEMM_16BIT = 2
 CAP_GROUPED_GEMM_FP8_BLOCKWISE = 4
 CAP_PERMUTE = 8
 CAP_FP8_QUANTIZE = 16
+CAP_SWIGLU = 32
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -231,6 +232,9 @@ _PROTOTYPES = {
         [_vp, _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp,
          ctypes.c_int, _vp, _vp, _vp],
     ),
+    # SwiGLU: present only when the core was built with csrc/activation.
+    "mg_swiglu_forward": (ctypes.c_int, [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
+    "mg_swiglu_backward": (ctypes.c_int, [_vp, _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
 }
 _REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")
 

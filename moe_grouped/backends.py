@@ -29,19 +29,25 @@ def check_name(backend: Optional[str]) -> Optional[str]:
     return backend
 
 
-def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
-    """Why the ``cuda`` backend cannot run on ``device``, or None if it can."""
+def core_kernels_unavailable_reason(device: torch.device, capability: int, kernels: str) -> Optional[str]:
+    """Why the core's ``kernels`` (the family behind ``capability``, a
+    ``_core.CAP_*`` bit) cannot run on ``device``, or None if they can."""
     if device.type != "cuda":
         return f"the cuda backend needs CUDA tensors, got tensors on {device}"
     if not _core.available():
         return _core.unavailable_reason
-    if not _core.has(_core.CAP_GROUPED_GEMM_16BIT):
-        return "the core was built without its grouped GEMM kernels"
+    if not _core.has(capability):
+        return f"the core was built without its {kernels}"
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) != (9, 0):
         name = torch.cuda.get_device_name(device)
         return f"the core's kernels are built for sm_90a (Hopper), but {name} is sm_{major}{minor}"
     return None
+
+
+def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
+    """Why the ``cuda`` backend cannot run on ``device``, or None if it can."""
+    return core_kernels_unavailable_reason(device, _core.CAP_GROUPED_GEMM_16BIT, "grouped GEMM kernels")
 
 
 def torch_unavailable_reason(device: torch.device) -> Optional[str]:

@@ -14,13 +14,8 @@ import torch
 from torch import nn
 
 from . import _checks
+from .activation import swiglu
 from .grouped_linear import GroupedLinear
-
-
-def swiglu(h: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` for ``h = [gate, up]`` split along the last dimension."""
-    gate, up = h.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
 
 
 class GroupedMLP(nn.Module):
@@ -71,7 +66,7 @@ class GroupedMLP(nn.Module):
     ) -> torch.Tensor:
         """``is_first_microbatch``: see :meth:`GroupedLinear.forward` (FP8 weight reuse)."""
         hidden = self.fc1(x, m_splits, is_first_microbatch)
-        return self.fc2(swiglu(hidden), m_splits, is_first_microbatch)
+        return self.fc2(swiglu(hidden, backend=self.fc1.backend), m_splits, is_first_microbatch)
 
     def backward_dw(self) -> None:
         """The deferred weight gradients of both layers (``delay_wgrad_compute=True``)."""

@@ -37,7 +37,7 @@ import math
 
 import torch
 
-from . import _checks, _core
+from . import _checks, _core, backends
 from ._permute.library import backend_module  # registers the torch.ops.moe_grouped permute ops
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -47,16 +47,7 @@ CUDA_MAX_EXPERTS = 4096  # the cuda index kernels' limit (csrc/permute/permute.c
 
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the ``cuda`` permute kernels cannot run on ``device``, or None if they can."""
-    if device.type != "cuda":
-        return f"the cuda backend needs CUDA tensors, got tensors on {device}"
-    if not _core.available():
-        return _core.unavailable_reason
-    if not _core.has(_core.CAP_PERMUTE):
-        return "the core was built without its permute kernels (csrc/permute)"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        return f"the core's kernels are built for sm_90a (Hopper), but this GPU is sm_{major}{minor}"
-    return None
+    return backends.core_kernels_unavailable_reason(device, _core.CAP_PERMUTE, "permute kernels (csrc/permute)")
 
 
 def resolve_backend(backend: Optional[str], device: torch.device) -> str:

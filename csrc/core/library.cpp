@@ -28,6 +28,9 @@ uint32_t capabilities() {
 #ifdef MG_HAVE_FP8_QUANTIZE
   caps |= MG_CAP_FP8_QUANTIZE;
 #endif
+#ifdef MG_HAVE_SWIGLU
+  caps |= MG_CAP_SWIGLU;
+#endif
   return caps;
 }
 
@@ -40,6 +43,7 @@ std::string describe() {
   if (caps & MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE) info += ", grouped_gemm_fp8_blockwise";
   if (caps & MG_CAP_PERMUTE) info += ", permute";
   if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize";
+  if (caps & MG_CAP_SWIGLU) info += ", swiglu";
   return info;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/convert.cuh"
 #include "core/error.h"
 #include "moe_grouped/moe_grouped.h"
 
@@ -24,9 +25,6 @@ constexpr int kRowsPerPass = kThreads / 8;
 constexpr int kPasses = kBlock / kRowsPerPass;
 constexpr int kSegment = 16;
 
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 
 // This thread's 16 columns of every pass of a tile, as 16-byte loads:
 // `first` is the tile's first row at this thread's first column, `ld` the

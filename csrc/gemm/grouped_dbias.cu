@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "core/convert.cuh"
 #include "core/error.h"
 #include "gemm/grouped_gemm.h"
 
@@ -14,20 +15,6 @@ namespace {
 
 constexpr int kColumnThreads = 8;  // threads across columns
 constexpr int kRowThreads = 32;    // threads down the rows
-
-template <class T>
-__device__ __forceinline__ float to_float(T value) { return static_cast<float>(value); }
-template <>
-__device__ __forceinline__ float to_float(__nv_bfloat16 value) { return __bfloat162float(value); }
-template <>
-__device__ __forceinline__ float to_float(__half value) { return __half2float(value); }
-
-template <class T>
-__device__ __forceinline__ T from_float(float value) { return static_cast<T>(value); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float(float value) { return __float2bfloat16(value); }
-template <>
-__device__ __forceinline__ __half from_float(float value) { return __float2half(value); }
 
 // Grid (column blocks, E); block (kColumnThreads, kRowThreads). Each thread
 // owns kVec adjacent columns; kVec = 8 reads 16 bytes at a time.

@@ -31,6 +31,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "core/convert.cuh"
 #include "core/error.h"
 #include "core/workspace.h"
 
@@ -48,13 +49,6 @@ constexpr int kElementThreads = 256;
 constexpr int kRowThreads = 128;
 constexpr int32_t kNoCapacity = INT32_MAX;
 
-__device__ inline float to_float(float v) { return v; }
-__device__ inline float to_float(__half v) { return __half2float(v); }
-__device__ inline float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T> __device__ inline T from_float(float v);
-template <> __device__ inline float from_float<float>(float v) { return v; }
-template <> __device__ inline __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ inline __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // The expert of copy i, or -1 past the end, outside [0, num_experts) or not
 // kept (keep[i] == 0; keep NULL keeps every copy).

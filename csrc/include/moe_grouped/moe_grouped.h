@@ -86,6 +86,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE 4u
 #define MG_CAP_PERMUTE 8u
 #define MG_CAP_FP8_QUANTIZE 16u
+#define MG_CAP_SWIGLU 32u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -348,6 +349,17 @@ MG_API mg_status mg_unpermute_rows_backward(const void* dout, const void* y, mg_
                                             const int64_t* row_id_map, const void* weights,
                                             mg_dtype weights_dtype, void* dy, void* dweights,
                                             void* stream);
+
+/* ---- SwiGLU on the fused fc1 output ------------------------------------
+ * h [rows, 2 * ffn] = [gate | up] row-major, `dtype` fp32, fp16 or bf16.
+ * Forward: y [rows, ffn] = silu(gate) * up. Backward: dh [rows, 2 * ffn] =
+ * [d_gate | d_up] from dy [rows, ffn]. Computed in fp32 and rounded to
+ * `dtype` where torch's composed silu(gate) * up stores a tensor (silu's
+ * output, the product, dy * up), so both equal torch's results.           */
+MG_API mg_status mg_swiglu_forward(const void* h, mg_dtype dtype, int64_t rows, int64_t ffn,
+                                   void* y, void* stream);
+MG_API mg_status mg_swiglu_backward(const void* dy, const void* h, mg_dtype dtype, int64_t rows,
+                                    int64_t ffn, void* dh, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
