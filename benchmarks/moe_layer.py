@@ -23,7 +23,8 @@ Shapes (no shared experts; token counts fit one 80 GB GPU with bf16 weights,
 gradients and activations and keep the script under ~2 minutes):
   mixtral      hidden 4096, ffn 14336,   8 experts, top-2, 16384 tokens (softmax router)
   dsv2_lite    hidden 2048, ffn 1408,   64 experts, top-6,  8192 tokens (softmax router):
-               DeepSeek-V2-Lite's MoE, one micro-batch of 2 x 4096 tokens
+               DeepSeek-V2-Lite's MoE, one micro-batch of 2 x 4096 tokens; also at
+               4096 tokens (one sequence), where the host's launch cost matters more
   dsv3         hidden 7168, ffn 2048,  128 experts, top-8,  8192 tokens (sigmoid router,
                8 groups / 4 chosen, selection bias): DeepSeek-V3's MoE; about 25 GB
                of bf16 weights and gradients
@@ -95,6 +96,7 @@ class Shape:
 SHAPES = [
     Shape("mixtral", 4096, 14336, 8, 2, 16384, dict(score_function="softmax", normalize_topk=True), repeats=20),
     Shape("dsv2_lite", 2048, 1408, 64, 6, 8192, dict(score_function="softmax", normalize_topk=False), repeats=50),
+    Shape("dsv2_lite", 2048, 1408, 64, 6, 4096, dict(score_function="softmax", normalize_topk=False), repeats=50),
     Shape("dsv3", 7168, 2048, 128, 8, 8192,
           dict(score_function="sigmoid", normalize_topk=True, scaling_factor=2.5, expert_bias=True,
                n_group=8, topk_group=4), aux_loss_coeff=0.0, repeats=20),
