@@ -293,17 +293,18 @@ def summarize(rows: list[dict]) -> None:
     print("\nratios (speed-up = slower ms / faster ms; bars in brackets)")
     for shape in SHAPES:
         key = lambda backend: ("fwd_bwd", shape.label, backend)  # noqa: E731
+        name = f"{shape.name} T{shape.tokens}"
         for backend in ("cuda", "torch"):
             if key(backend) in ms and key(f"{backend}_graphed") in ms:
                 eager, graphed = ms[key(backend)], ms[key(f"{backend}_graphed")]
                 bar = " [>= 1.2x]" if shape.name in DEEPSEEK_LIKE else ""
-                print(f"  {shape.name:<10} {backend}_graphed vs {backend}: {eager['ms'] / graphed['ms']:5.2f}x "
+                print(f"  {name:<16} {backend}_graphed vs {backend}: {eager['ms'] / graphed['ms']:5.2f}x "
                       f"(back to back {eager['wall_ms'] / graphed['wall_ms']:5.2f}x){bar}")
         if key("cuda_graphed") in ms and key("torch_graphed") in ms:
-            print(f"  {shape.name:<10} cuda_graphed vs torch_graphed: "
+            print(f"  {name:<16} cuda_graphed vs torch_graphed: "
                   f"{ms[key('torch_graphed')]['ms'] / ms[key('cuda_graphed')]['ms']:5.2f}x [>= 1.15x]")
         if key("cuda") in ms and key("loop") in ms:
-            print(f"  {shape.name:<10} cuda vs loop: {ms[key('loop')]['ms'] / ms[key('cuda')]['ms']:5.2f}x")
+            print(f"  {name:<16} cuda vs loop: {ms[key('loop')]['ms'] / ms[key('cuda')]['ms']:5.2f}x")
     for r in rows:
         if r["op"] == "permute":
             bar = " [>= 2000 GB/s]" if r["backend"] == "cuda" else ""
