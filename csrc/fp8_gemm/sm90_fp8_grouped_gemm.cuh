@@ -265,33 +265,11 @@ mg_status run(const Fp8GemmCall& call, cudaStream_t stream) {
   }
   MG_CUDA_RETURN(cudaGetLastError());
 
-  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
-    MG_RETURN_IF_ERROR(gemm::sm90::launch_zero_empty_groups<ElementD>(
-        w.offsets, w.ptr_d, call.n * call.k, call.num_groups, stream));
-  }
-
   typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {call.num_groups, w.shapes, nullptr};
   // The per-group scale layouts are derived from the problem shapes inside
   // the kernel; the layout arrays are not read.
   args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b, w.ptr_sfa, nullptr, w.ptr_sfb, nullptr};
-  args.epilogue.ptr_D = w.ptr_d;
-  args.epilogue.dD = w.stride_d;
-  if constexpr (G::kKind == MG_GEMM_FPROP) {
-    args.epilogue.thread = {
-        {}, {call.bias != nullptr ? w.ptr_bias : nullptr, typename G::ElementBias(0), {}}, {}};
-  } else {
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = (G::kKind == MG_GEMM_WGRAD && call.accumulate) ? 1.0f : 0.0f;
-    if constexpr (G::kKind == MG_GEMM_WGRAD) {
-      args.epilogue.ptr_C = const_cast<const ElementD**>(w.ptr_d);
-      args.epilogue.dC = w.stride_d;
-    }
-  }
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = call.sm_count;
-  return gemm::sm90::launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
+  return gemm::sm90::finish_launch<G>(args, w, call, device, stream);
 }
 
 template <class G>

@@ -349,6 +349,40 @@ mg_status launch_gemm(const typename G::Gemm::Arguments& args, void* gemm_worksp
   return MG_OK;
 }
 
+// Everything after the setup kernel, for the 16-bit and FP8 kernels alike
+// (`call`: a GroupedGemmCall or an Fp8GemmCall; `args` has the mainloop's
+// arguments): the zero fill of the empty groups' dW (wgrad that does not
+// accumulate), the epilogue (fprop: D = acc + the group's bias, a NULL
+// pointer array reading as zeros; dgrad: D = acc; wgrad: D = acc + beta * C
+// with C = D = dW), the GEMM.
+template <class G, class Call>
+mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w, const Call& call, int device,
+                        cudaStream_t stream) {
+  using ElementD = typename G::ElementD;
+  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
+    MG_RETURN_IF_ERROR(launch_zero_empty_groups<ElementD>(w.offsets, w.ptr_d, call.n * call.k,
+                                                          call.num_groups, stream));
+  }
+  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+  args.problem_shape = {call.num_groups, w.shapes, nullptr};
+  args.epilogue.ptr_D = w.ptr_d;
+  args.epilogue.dD = w.stride_d;
+  if constexpr (G::kKind == MG_GEMM_FPROP) {
+    using ElementBias = typename G::ElementBias;
+    args.epilogue.thread = {{}, {call.bias != nullptr ? w.ptr_bias : nullptr, ElementBias(0), {}}, {}};
+  } else {
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = (G::kKind == MG_GEMM_WGRAD && call.accumulate) ? 1.0f : 0.0f;
+    if constexpr (G::kKind == MG_GEMM_WGRAD) {
+      args.epilogue.ptr_C = const_cast<const ElementD**>(w.ptr_d);
+      args.epilogue.dC = w.stride_d;
+    }
+  }
+  args.hw_info.device_id = device;
+  args.hw_info.sm_count = call.sm_count;
+  return launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
+}
+
 template <class G>
 mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   using Element = typename G::Element;
@@ -381,32 +415,9 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   }
   MG_CUDA_RETURN(cudaGetLastError());
 
-  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
-    MG_RETURN_IF_ERROR(launch_zero_empty_groups<ElementD>(w.offsets, w.ptr_d, call.n * call.k,
-                                                          call.num_groups, stream));
-  }
-
   typename G::Gemm::Arguments args{};
-  args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-  args.problem_shape = {call.num_groups, w.shapes, nullptr};
   args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b};
-  args.epilogue.ptr_D = w.ptr_d;
-  args.epilogue.dD = w.stride_d;
-  if constexpr (G::kKind == MG_GEMM_FPROP) {
-    // {acc, bias row broadcast, plus}; a NULL pointer array reads as zeros.
-    args.epilogue.thread = {{}, {call.bias != nullptr ? w.ptr_bias : nullptr, Element(0), {}}, {}};
-  } else {
-    args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.beta = (G::kKind == MG_GEMM_WGRAD && call.accumulate) ? 1.0f : 0.0f;
-    if constexpr (G::kKind == MG_GEMM_WGRAD) {
-      args.epilogue.ptr_C = const_cast<const ElementD**>(w.ptr_d);
-      args.epilogue.dC = w.stride_d;
-    }
-  }
-  args.hw_info.device_id = device;
-  args.hw_info.sm_count = call.sm_count;
-
-  return launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
+  return finish_launch<G>(args, w, call, device, stream);
 }
 
 template <class G>
