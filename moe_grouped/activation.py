@@ -35,16 +35,7 @@ def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
 
 def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     """The backend SwiGLU runs with: the one asked for (or a clear error), else the default."""
-    backends.check_name(backend)
-    if backend == "cuda":
-        reason = cuda_unavailable_reason(device)
-        if reason is not None:
-            raise RuntimeError(f"backend 'cuda' was requested for SwiGLU but is unavailable: {reason}")
-    if backend is not None:
-        return backend
-    if device.type != "cuda":
-        return "reference"
-    return "cuda" if cuda_unavailable_reason(device) is None else "torch"
+    return backends.resolve_kernel_family(backend, device, cuda_unavailable_reason, "SwiGLU")
 
 
 def swiglu(h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ another behind the caller's back.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -48,6 +48,26 @@ def core_kernels_unavailable_reason(device: torch.device, capability: int, kerne
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
     """Why the ``cuda`` backend cannot run on ``device``, or None if it can."""
     return core_kernels_unavailable_reason(device, _core.CAP_GROUPED_GEMM_16BIT, "grouped GEMM kernels")
+
+
+def resolve_kernel_family(
+    backend: Optional[str], device: torch.device, cuda_unavailable: Callable[[torch.device], Optional[str]], ops: str
+) -> str:
+    """The backend for ops whose ``cuda`` backend is one family of the core's
+    kernels (``cuda_unavailable(device)`` says why it cannot run, or None):
+    the one asked for, or a RuntimeError naming ``ops`` when that is ``cuda``
+    and it cannot run; by default ``cuda`` where it runs, ``torch`` on other
+    GPUs and ``reference`` on the CPU."""
+    check_name(backend)
+    if backend is None:
+        if device.type != "cuda":
+            return "reference"
+        return "cuda" if cuda_unavailable(device) is None else "torch"
+    if backend == "cuda":
+        reason = cuda_unavailable(device)
+        if reason is not None:
+            raise RuntimeError(f"backend 'cuda' was requested for {ops} but is unavailable: {reason}")
+    return backend
 
 
 def torch_unavailable_reason(device: torch.device) -> Optional[str]:

@@ -52,17 +52,7 @@ def cuda_unavailable_reason(device: torch.device) -> Optional[str]:
 
 def resolve_backend(backend: Optional[str], device: torch.device) -> str:
     """The permutation backend to run on ``device``: the one asked for, or the default."""
-    if backend not in (None, "reference", "torch", "cuda"):
-        raise ValueError(f"backend must be 'reference', 'torch', 'cuda' or None (automatic), got {backend!r}")
-    if backend is None:
-        if device.type != "cuda":
-            return "reference"
-        return "cuda" if cuda_unavailable_reason(device) is None else "torch"
-    if backend == "cuda":
-        reason = cuda_unavailable_reason(device)
-        if reason is not None:
-            raise RuntimeError(f"backend 'cuda' was requested for permutation but is unavailable: {reason}")
-    return backend
+    return backends.resolve_kernel_family(backend, device, cuda_unavailable_reason, "permutation")
 
 
 def _check_dtype(backend: str, dtype: torch.dtype) -> None:

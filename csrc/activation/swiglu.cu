@@ -16,7 +16,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "core/convert.cuh"
+#include "core/elementwise.cuh"
 #include "core/error.h"
 
 namespace moe_grouped {
@@ -24,11 +24,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 20;  // grid-stride beyond this
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
 
 template <typename T, int V>
 __device__ __forceinline__ Pack<T, V> load(const T* p) {
@@ -103,10 +98,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 mg_status check_args(mg_dtype dtype, int64_t rows, int64_t ffn, std::initializer_list<const void*> pointers) {
-  if (dtype != MG_FLOAT32 && dtype != MG_FLOAT16 && dtype != MG_BFLOAT16) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "SwiGLU tensors must be float32, float16 or bfloat16, got %s",
-                dtype_name(dtype));
-  }
+  MG_RETURN_IF_ERROR(check_float_dtype("SwiGLU tensors", dtype));
   if (rows < 0 || ffn < 0) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "SwiGLU needs rows >= 0 and ffn >= 0, got %lld and %lld",
                 static_cast<long long>(rows), static_cast<long long>(ffn));
@@ -119,29 +111,19 @@ mg_status check_args(mg_dtype dtype, int64_t rows, int64_t ffn, std::initializer
   return MG_OK;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Runs launch(TypeTag, VectorWidth) with 16-byte packs when every row start
-// of h, the output and the gradients is 16-byte aligned, else element by
-// element.
+// Runs launch(T{}, V) with 16-byte packs when every row start of h, the
+// output and the gradients is 16-byte aligned (rows of ffn elements; h's
+// halves are rows too), else element by element.
 template <typename Launch>
 mg_status dispatch(mg_dtype dtype, int64_t ffn, std::initializer_list<const void*> pointers, Launch&& launch) {
-  auto with_type = [&](auto zero) {
+  with_type(dtype, [&](auto zero) {
     using T = decltype(zero);
-    constexpr int kVector = 16 / sizeof(T);
-    bool vector = ffn % kVector == 0;
-    for (const void* p : pointers) vector = vector && aligned16(p);
-    if (vector) {
-      launch(zero, std::integral_constant<int, kVector>{});
+    if (rows_are_16_byte_aligned<T>(ffn, pointers)) {
+      launch(zero, std::integral_constant<int, 16 / sizeof(T)>{});
     } else {
       launch(zero, std::integral_constant<int, 1>{});
     }
-  };
-  switch (dtype) {
-    case MG_BFLOAT16: with_type(__nv_bfloat16{}); break;
-    case MG_FLOAT16: with_type(__half{}); break;
-    default: with_type(float{}); break;
-  }
+  });
   MG_CUDA_RETURN(cudaGetLastError());
   return ok();
 }

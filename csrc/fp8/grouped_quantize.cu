@@ -356,7 +356,7 @@ __global__ void __launch_bounds__(kThreads)
 
 mg_status check_quantize_args(const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols,
                               const mg_quantize_config& config, float* fp8_max) {
-  MG_RETURN_IF_ERROR(check_input_dtype("x", x_dtype));
+  MG_RETURN_IF_ERROR(check_float_dtype("x", x_dtype));
   MG_RETURN_IF_ERROR(check_fp8_config(config, fp8_max));
   if (rows < 0 || cols < 0 || rows > INT32_MAX || cols > INT32_MAX) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "rows and cols must be in [0, 2^31), got %lld x %lld",

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/convert.cuh"
+#include "core/elementwise.cuh"
 #include "core/error.h"
 #include "moe_grouped/moe_grouped.h"
 
@@ -113,14 +113,6 @@ inline mg_status check_fp8_config(const mg_quantize_config& config, float* fp8_m
   if (!(config.amax_epsilon >= 0.f)) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "amax_epsilon must be non-negative, got %g",
                 static_cast<double>(config.amax_epsilon));
-  }
-  return MG_OK;
-}
-
-inline mg_status check_input_dtype(const char* name, mg_dtype dtype) {
-  if (dtype != MG_BFLOAT16 && dtype != MG_FLOAT16 && dtype != MG_FLOAT32) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s must be bfloat16, float16 or float32, got %s", name,
-                dtype_name(dtype));
   }
   return MG_OK;
 }

@@ -31,7 +31,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "core/convert.cuh"
+#include "core/elementwise.cuh"
 #include "core/error.h"
 #include "core/workspace.h"
 
@@ -185,16 +185,10 @@ __global__ void __launch_bounds__(kElementThreads)
   keep[sorted_copies[s]] = e < static_cast<uint32_t>(num_experts) && s - starts[e] < capacity ? 1 : 0;
 }
 
-// Row passes move V elements per access: 16 bytes (V = 16 / sizeof(T)) when
-// every row starts 16-byte aligned, else 1.
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-  T v[V];
-};
-
-// Row passes: one warp per row (copy or token), kRowWarps rows per CTA; each
-// lane moves kUnroll vectors of V elements per step, all loads issued before
-// the stores (memory-level parallelism: a row is only 2-14 KiB).
+// Row passes: V elements per access (Pack), 16 bytes when every row starts
+// 16-byte aligned, else 1. One warp per row (copy or token), kRowWarps rows
+// per CTA; each lane moves kUnroll vectors of V elements per step, all loads
+// issued before the stores (memory-level parallelism: a row is only 2-14 KiB).
 constexpr int kRowWarps = kRowThreads / 32;
 constexpr int kUnroll = 4;
 
@@ -335,24 +329,6 @@ __global__ void __launch_bounds__(kRowThreads)
 
 unsigned row_grid(int64_t rows) { return static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps); }
 
-// 16-byte accesses when the row length and every base address allow them.
-template <typename T>
-bool rows_are_16_byte_aligned(int64_t hidden, std::initializer_list<const void*> pointers) {
-  if ((hidden * static_cast<int64_t>(sizeof(T))) % 16 != 0) return false;
-  for (const void* p : pointers) {
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
-
-mg_status check_float_dtype(const char* what, mg_dtype dtype) {
-  if (dtype != MG_FLOAT32 && dtype != MG_FLOAT16 && dtype != MG_BFLOAT16) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s must be float32, float16 or bfloat16, got %s", what,
-                dtype_name(dtype));
-  }
-  return MG_OK;
-}
-
 mg_status check_rows(int64_t num_tokens, int64_t hidden, int top_k) {
   if (num_tokens < 0 || hidden < 0 || top_k <= 0 || num_tokens * top_k > INT32_MAX) {
     return fail(MG_ERROR_INVALID_ARGUMENT,
@@ -361,14 +337,6 @@ mg_status check_rows(int64_t num_tokens, int64_t hidden, int top_k) {
                 static_cast<long long>(num_tokens), static_cast<long long>(hidden), top_k);
   }
   return MG_OK;
-}
-
-// Calls fn(T{}) for the element type named by dtype (checked beforehand).
-template <typename Fn>
-void with_type(mg_dtype dtype, Fn fn) {
-  if (dtype == MG_FLOAT32) fn(float{});
-  else if (dtype == MG_FLOAT16) fn(__half{});
-  else fn(__nv_bfloat16{});
 }
 
 // The weights are float32 or the rows' own type.
