@@ -67,14 +67,24 @@ def assert_same_results(got, want):
             assert torch.equal(a, b), f"micro-batch {step}, parameter {i}"
 
 
+cuda_fp8 = pytest.mark.skipif(
+    not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 GEMMs"
+)
+
+
+@pytest.mark.parametrize(
+    "backend, device",
+    [("reference", "cpu"), pytest.param("cuda", "cuda", marks=[pytest.mark.gpu, cuda_fp8])],
+    ids=["reference", "cuda"],
+)
 @pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "separate_weights"])
-def test_reference_fp8_kept_weights_give_the_same_steps(single):
+def test_fp8_kept_weights_give_the_same_steps(backend, device, single):
     # is_first_microbatch=True then False reuses the FP8 weights of the first
     # micro-batch: bit for bit what quantizing them on every call gives.
-    base, twin = layers("reference", "cpu", single=single)
+    base, twin = layers(backend, device, single=single)
     recipe = RECIPES["hybrid"]
-    assert_same_results(microbatches(twin, recipe, "cpu", [True, False, False]),
-                        microbatches(base, recipe, "cpu", [None, None, None]))
+    assert_same_results(microbatches(twin, recipe, device, [True, False, False]),
+                        microbatches(base, recipe, device, [None, None, None]))
 
 
 def test_fp8_kept_weights_are_refused_when_stale():
@@ -172,11 +182,6 @@ def test_fp8_refuses_what_it_cannot_run():
 
 # ---- cuda backend (H100) --------------------------------------------------
 
-cuda_fp8 = pytest.mark.skipif(
-    not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 GEMMs"
-)
-
-
 @pytest.mark.gpu
 @cuda_fp8
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
@@ -232,16 +237,6 @@ def test_cuda_fp8_graph_500_replays_match_eager_bitwise(fuse, single):
           f"compared, {report.mismatches} mismatches, patterns {report.patterns}")
     assert report.replays == 500 and report.mismatches == 0
     assert set(report.patterns) == set(graph_splits.PATTERNS)
-
-
-@pytest.mark.gpu
-@cuda_fp8
-@pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "separate_weights"])
-def test_cuda_fp8_kept_weights_give_the_same_steps(single):
-    base, twin = layers("cuda", "cuda", single=single)
-    recipe = RECIPES["hybrid"]
-    assert_same_results(microbatches(twin, recipe, "cuda", [True, False, False]),
-                        microbatches(base, recipe, "cuda", [None, None, None]))
 
 
 @pytest.mark.gpu
