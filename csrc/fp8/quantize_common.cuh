@@ -25,7 +25,6 @@ constexpr int kRowsPerPass = kThreads / 8;
 constexpr int kPasses = kBlock / kRowsPerPass;
 constexpr int kSegment = 16;
 
-
 // This thread's 16 columns of every pass of a tile, as 16-byte loads:
 // `first` is the tile's first row at this thread's first column, `ld` the
 // row stride; rows from valid_rows on, or all when !in_columns, read as zeros.
@@ -122,24 +121,6 @@ struct TypeTag {
   using type = T;
 };
 
-// Calls f(TypeTag<T>{}, std::bool_constant<kE4M3>{}) for the input dtype and
-// fp8 format, so that kernels are instantiated for every pair.
-template <typename F>
-void dispatch_types(mg_dtype x_dtype, mg_dtype fp8_dtype, F&& f) {
-  auto with_format = [&](auto tag) {
-    if (fp8_dtype == MG_FLOAT8_E4M3) {
-      f(tag, std::true_type{});
-    } else {
-      f(tag, std::false_type{});
-    }
-  };
-  switch (x_dtype) {
-    case MG_BFLOAT16: with_format(TypeTag<__nv_bfloat16>{}); break;
-    case MG_FLOAT16: with_format(TypeTag<__half>{}); break;
-    default: with_format(TypeTag<float>{}); break;
-  }
-}
-
 // Calls f(std::bool_constant<value>{}).
 template <typename F>
 void dispatch_bool(bool value, F&& f) {
@@ -148,6 +129,16 @@ void dispatch_bool(bool value, F&& f) {
   } else {
     f(std::false_type{});
   }
+}
+
+// Calls f(TypeTag<T>{}, std::bool_constant<kE4M3>{}) for the input dtype
+// (checked beforehand, see with_type) and fp8 format, so that kernels are
+// instantiated for every pair.
+template <typename F>
+void dispatch_types(mg_dtype x_dtype, mg_dtype fp8_dtype, F&& f) {
+  with_type(x_dtype, [&](auto zero) {
+    dispatch_bool(fp8_dtype == MG_FLOAT8_E4M3, [&](auto e4m3) { f(TypeTag<decltype(zero)>{}, e4m3); });
+  });
 }
 
 __host__ __device__ inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

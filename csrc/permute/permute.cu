@@ -49,7 +49,6 @@ constexpr int kElementThreads = 256;
 constexpr int kRowThreads = 128;
 constexpr int32_t kNoCapacity = INT32_MAX;
 
-
 // The expert of copy i, or -1 past the end, outside [0, num_experts) or not
 // kept (keep[i] == 0; keep NULL keeps every copy).
 template <typename IndexT>
