@@ -25,6 +25,7 @@
 #include <cutlass/detail/blockwise_scale_layout.hpp>
 
 #include "fp8_gemm/fp8_gemm.h"
+#include "fp8_gemm/sm90_fp8_wide_tile_mainloop.cuh"
 #include "gemm/sm90_grouped_gemm.cuh"
 
 namespace moe_grouped::fp8_gemm::sm90 {
@@ -57,18 +58,21 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
   using Config = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, kMajor, kMajor>;
 };
 
-// Cooperative: two consumer warpgroups share one 128x128 tile. Ping-pong:
-// each warpgroup owns a 64x128 tile and one's scale promotion overlaps the
-// other's tensor-core work.
+// Cooperative: two consumer warpgroups share one tile (fprop and dgrad: see
+// kWideTile below). Ping-pong: each warpgroup owns a 64x128 tile and its
+// epilogue overlaps the other's mainloop.
 //
 // CUTLASS's mainloop waits for each K block's wgmmas before promoting them.
-// Keeping two temporaries so that block k+1's wgmmas run during block k's
-// promotion was measured on the H100 and not kept: fprop/dgrad 0.93-1.07x
-// (no consistent change), wgrad 0.59-0.90x (192 accumulator registers plus
-// the per-column scales spill past the consumers' 232). It also needs a
-// warpgroup barrier between reading a stage's scales and releasing it: only
-// a few threads signal the producers, and without it the results were not
-// deterministic.
+// Overlapping the promotion with tensor-core work was measured twice on the
+// H100 and not kept, so the promotion stalls are not what limits these
+// kernels: (1) two temporaries, block k+1's wgmmas running during block k's
+// promotion: fprop/dgrad 0.93-1.07x, wgrad 0.59-0.90x (192 accumulator
+// registers plus the per-column scales spill past the consumers' 232);
+// (2) wgrad as two 64x64 halves per warpgroup, one half promoted while the
+// other runs (no spills, bitwise equal): wgrad into bf16 0.85-1.07x, into
+// fp32 0.93-1.06x. Both need a warpgroup barrier between reading a stage's
+// scales and releasing it: only a few threads signal the producers, and
+// without it the results were not deterministic.
 template <Fp8Schedule S>
 struct ScheduleTraits;
 template <>
@@ -101,9 +105,16 @@ struct Fp8GroupedGemm {
   using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
   using ElementAccumulator = float;
   static constexpr bool kBlockScaled = true;  // per-group scale pointers in the Workspace
-  using Tile = typename ScheduleTraits<Schedule>::Tile;
+  // fprop and dgrad: 128x256 tiles through WideTileMainloop, 1.00-1.11x the
+  // 128x128 CUTLASS mainloop on every benchmark shape (H100, fprop up to
+  // 1240 TFLOP/s on (8,16384,4096,14336)). wgrad: CUTLASS's mainloop on the
+  // schedule's tile (its per-column scales leave no registers for a wider one).
+  static constexpr bool kWideTile = Kind != MG_GEMM_WGRAD && Schedule == Fp8Schedule::kCooperative;
+  using Tile = std::conditional_t<kWideTile, cute::Shape<_128, cute::_256, _128>,
+                                  typename ScheduleTraits<Schedule>::Tile>;
   // Pairs sharing the A tile (TMA multicast of A). H100 fprop with 2x2 or 2x1
-  // clusters instead: 0.78-0.99x and 0.74-1.06x on the benchmark shapes.
+  // clusters instead: 0.78-0.99x and 0.74-1.06x on the benchmark shapes
+  // (128x128 tiles); with the 128x256 tile, 2x1: fprop and dgrad 0.92-1.08x.
   using Cluster = cute::Shape<_1, _2, _1>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
@@ -136,13 +147,14 @@ struct Fp8GroupedGemm {
       LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename ScheduleTraits<Schedule>::Epilogue, Fusion>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA,
       cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB, ElementB, cute::tuple<LayoutB*, LayoutSFB*>,
       kAlignAB, ElementAccumulator, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename ScheduleTraits<Schedule>::Mainloop>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<kWideTile, WideTileMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;

@@ -1,0 +1,141 @@
+// The consumer side of CUTLASS's SM90 ptr-array FP8 blockwise mainloop for
+// fprop and dgrad (one A scale per row and one B scale per 128x128 block of
+// every 128-deep K block) on a 128x256 tile.
+//
+// At 128x128, per K block the two consumer warpgroups' wgmmas read 48 KB of
+// operands from shared memory and the TMA writes 32 KB into it for 4.2
+// MFLOP: more bytes per clock than shared memory delivers at the tensor
+// cores' rate (the H100 profile of the fprop showed L1/TEX and L2 both near
+// 78% with the tensor pipe at 65%). A 128x256 tile moves 144 KB for 8.4
+// MFLOP. CUTLASS's own mainloop cannot run that tile: its m64n256 temporary
+// (128 registers) next to the 128 accumulators does not fit in the
+// consumers' 232, so here each warpgroup computes its 64x256 tile as two
+// 64x128 halves through one 64-register temporary, each promoted as soon as
+// its wgmmas finish. The promotion uses CUTLASS's expression (row scale
+// times block scale, then one FMA), so the results are the same bits as
+// CUTLASS's 128x128 kernel.
+//
+// Everything else (TMA producer, pipeline, scale staging, shared storage,
+// arguments) is the CUTLASS collective's: this type derives from it and hides
+// only mma(), which the kernels call on the collective they are given.
+// Release order is the base's: mma() releases all but the last stage,
+// mma_tail() the last.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+
+namespace moe_grouped::fp8_gemm::sm90 {
+
+template <class Base>
+struct WideTileMainloop : Base {
+  using typename Base::ElementBlockScale;
+  using typename Base::MainloopPipeline;
+  using typename Base::Params;
+  using typename Base::PipelineState;
+  using typename Base::SmemLayoutA;
+  using typename Base::SmemLayoutB;
+  using typename Base::SmemLayoutSFA;
+  using typename Base::SmemLayoutSFB;
+  using typename Base::TensorStorage;
+  using typename Base::TileShape;
+
+  static constexpr int kTileM = cute::size<0>(TileShape{});
+  static constexpr int kTileN = cute::size<1>(TileShape{});
+  static constexpr int kHalfN = kTileN / 2;
+  static_assert(kTileM == 128 && kTileN == 256, "written for a 128x256 tile");
+  static_assert(Base::ScaleMsPerTile == kTileM && Base::ScaleNsPerTile == 2,
+                "one A scale per row, one B scale per 128 columns");
+  static_assert(Base::ScalePromotionInterval == 4, "K scale granularity must be one K tile (128)");
+
+  // The base's two warpgroups along M, each on a 64 x kHalfN half.
+  using HalfMma = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<typename Base::ElementA, typename Base::ElementB, ElementBlockScale,
+                                 cute::Shape<cute::Int<kTileM>, cute::Int<kHalfN>, cute::_128>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::K>(),
+      cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
+  static_assert(cute::size(HalfMma{}) == cute::size(typename Base::TiledMma{}), "same warpgroups as the base");
+
+  template <class FrgTensorC>
+  CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
+                          int k_tile_count, int thread_idx, TensorStorage& shared_tensors, Params const&) {
+    using namespace cute;
+    static_assert(is_rmem<FrgTensorC>::value, "the accumulators must be in registers");
+
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), SmemLayoutA{});  // (BLK_M,BLK_K,PIPE)
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});  // (BLK_N,BLK_K,PIPE)
+    Tensor sB_halves = flat_divide(sB, Shape<Int<kHalfN>, Int<size<1>(SmemLayoutB{})>>{});  // (HALF,BLK_K,2,1,PIPE)
+    Tensor sSFA = make_tensor(
+        make_smem_ptr(shared_tensors.smem_SFA.data()),
+        make_layout(make_shape(shape<0>(SmemLayoutSFA{}), Int<kHalfN>{},
+                               make_shape(shape<1>(SmemLayoutSFA{}), shape<2>(SmemLayoutSFA{}))),
+                    make_stride(stride<0>(SmemLayoutSFA{}), _0{},
+                                make_stride(stride<1>(SmemLayoutSFA{}), stride<2>(SmemLayoutSFA{})))));
+    const ElementBlockScale* sfb = shared_tensors.smem_SFB.data();
+
+    constexpr int kWarpGroups = size(HalfMma{}) / cutlass::NumThreadsPerWarpGroup;
+    const Layout warp_group_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
+    const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
+    const uint32_t barrier_id = cutlass::canonical_warp_group_idx();
+
+    HalfMma half_mma;
+    auto thread_mma = half_mma.get_slice(warp_group_layout(warp_group));
+    Tensor tCrA = thread_mma.make_fragment_A(thread_mma.partition_A(sA));  // (MMA,MMA_M,MMA_K,PIPE)
+    Tensor tCrB0 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(_, _, _0{}, _0{}, _)));
+    Tensor tCrB1 = thread_mma.make_fragment_B(thread_mma.partition_B(sB_halves(_, _, _1{}, _0{}, _)));
+    Tensor tCsSFA = half_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE))
+    Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+    Tensor tCrScale = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+
+    Tensor part = partition_fragment_C(half_mma, Shape<Int<kTileM>, Int<kHalfN>>{});
+    static_assert(decltype(size(part))::value * 2 == decltype(size(accum))::value, "two halves make the tile");
+
+    auto half_step = [&](auto half, auto const& tCrB, int stage) __attribute__((always_inline)) {
+      half_mma.accumulate_ = GMMA::ScaleOut::Zero;
+      warpgroup_fence_operand(part);
+      warpgroup_arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int k_block = 0; k_block < size<2>(tCrA); ++k_block) {
+        cute::gemm(half_mma, tCrA(_, _, k_block, stage), tCrB(_, _, k_block, stage), part);
+        half_mma.accumulate_ = GMMA::ScaleOut::One;
+      }
+      warpgroup_commit_batch();
+      // The scale of each row times the half's B scale, as CUTLASS's
+      // 128x128 kernel forms it (so that results are the same bits).
+      const ElementBlockScale scale_b = sfb[SmemLayoutSFB{}(decltype(half)::value * kHalfN, 0, stage)];
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
+        filter_zeros(tCrScale)(i) = filter_zeros(tCrSFA)(i) * scale_b;
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(part);
+      constexpr int kOffset = decltype(half)::value * decltype(size(part))::value;
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrScale(i);
+      warpgroup_fence_operand(accum);
+    };
+
+    clear(accum);
+    PipelineState smem_pipe_release = smem_pipe_read;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int k = 0; k < k_tile_count; ++k) {
+      pipeline.consumer_wait(smem_pipe_read);
+      const int stage = smem_pipe_read.index();
+      ++smem_pipe_read;
+      copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
+      half_step(_0{}, tCrB0, stage);
+      half_step(_1{}, tCrB1, stage);
+      // All four warps are past this stage's reads before its release (only
+      // a few threads signal the producers); the last stage is mma_tail()'s.
+      if (k + 1 < k_tile_count) {
+        cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, barrier_id);
+        pipeline.consumer_release(smem_pipe_release);
+        ++smem_pipe_release;
+      }
+    }
+  }
+};
+
+}  // namespace moe_grouped::fp8_gemm::sm90
