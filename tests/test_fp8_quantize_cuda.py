@@ -1,8 +1,9 @@
 """The core's FP8 quantize kernels against the reference, bit for bit (GPU).
 
 Grouped outputs are checked at every expert's own positions of the padded
-column-wise layout, and the positions no expert owns are pre-filled with a
-sentinel that the kernels must leave untouched.
+column-wise layout (its tokens, then zeros up to the next 16-byte boundary),
+and the positions no expert owns are pre-filled with a sentinel that the
+kernels must leave untouched.
 """
 
 import pytest
@@ -65,7 +66,8 @@ def sentinel_out(rows, cols, num_groups, fp8_dtype, rowwise, dbias) -> fp8.Group
 
 
 def assert_columnwise(got: fp8.BlockQuantized, want: fp8.BlockQuantized, splits, rows, case, sentinel=True):
-    """Each expert's columns and scale rows bit for bit; padding untouched."""
+    """Each expert's columns (zeros past its tokens up to a 16-byte boundary) and
+    scale rows bit for bit; positions no expert owns untouched."""
     cols, num_groups = got.data.shape[0], len(splits)
     assert got.data.shape == (cols, fp8.columnwise_padded_rows(rows, num_groups)), case
     assert got.scale_inv.shape == (fp8.columnwise_scale_rows(rows, num_groups), cols), case
@@ -75,9 +77,10 @@ def assert_columnwise(got: fp8.BlockQuantized, want: fp8.BlockQuantized, splits,
         blocks = -(-count // 128)
         where = f"{case}: expert {e} of {splits} ({count} tokens at column {padded}, scale row {block})"
         assert padded % 16 == 0, where
-        assert same_bits(got.data[:, padded : padded + count], want.data[:, padded : padded + count]), where
+        run_end = padded + -(-count // 16) * 16  # the group's columns, written in whole 16-byte runs
+        assert same_bits(got.data[:, padded:run_end], want.data[:, padded:run_end]), where
         assert same_bits(got.scale_inv[block : block + blocks], want.scale_inv[block : block + blocks]), where
-        owned_data[padded : padded + count] = True
+        owned_data[padded:run_end] = True
         owned_scales[block : block + blocks] = True
     if sentinel:
         assert (bits(got.data)[:, ~owned_data] == SENTINEL).all(), f"{case}: padding columns were written"

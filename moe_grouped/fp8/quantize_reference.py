@@ -152,8 +152,9 @@ def quantize_grouped_columnwise(
     [columnwise_scale_rows(M, E), K] with group e's blocks in rows
     [b_e, b_e + ceil(m_e / 128)) (one row per 128-token block: per group a
     packed [blocks, K] matrix). Blocks restart at each group's first token.
-    Positions no group owns are zero here; the CUDA kernels leave them
-    untouched. ``splits`` must sum to M.
+    Every other position is zero here; the CUDA kernels write the zeros of
+    each group's own padding, up to p_e + round_up(m_e, 16), and leave the
+    positions no group owns untouched. ``splits`` must sum to M.
     """
     counts = _as_list(splits)
     rows, cols = x.shape

@@ -205,7 +205,9 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
  *   p_e = sum_{j<e} round_up(m_j, 16)   (16-byte aligned group starts)
  *   b_e = sum_{j<e} ceil(m_j / 128):
  *   qt[cols, padded_rows] fp8, padded_rows = round_up(rows, 16) + 16 * E:
- *     qt[c, p_e + t] = token t of group e, column c, for t < m_e;
+ *     qt[c, p_e + t] = token t of group e, column c, for t < m_e, and 0
+ *     for m_e <= t < round_up(m_e, 16) (whole 16-byte runs are stored: a
+ *     partial run costs the memory a read-modify-write);
  *   scale_inv_t[scale_rows, cols] fp32, scale_rows = ceil(rows / 128) + E:
  *     scale_inv_t[b_e + j, c] = block j (tokens [128 j, 128 j + 128)) of
  *     group e, column c: per group a packed [ceil(m_e / 128), cols] matrix;
@@ -215,7 +217,8 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
  *     pairwise ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); block sums
  *     j = w, w + 8, ... are added in order into eight running sums w = 0..7,
  *     which are then added in order w = 0..7.
- * Columns of qt and rows of scale_inv_t that no group owns are not written.
+ * Columns of qt past p_E and rows of scale_inv_t that no group owns are not
+ * written.
  * The group layout (3 * (E + 1) int64) and, with dbias, per-block column
  * sums ((ceil(rows / 128) + E) * cols fp32) live in the (device,
  * workspace_slot) workspace: size it with one eager call before capture.   */
