@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(kThreads)
 // partial, it left a DRAM sector partly written, which costs the memory a
 // read-modify-write. The whole segment is stored instead (see column_pass):
 // the benchmark's skewed splits went from 9-40% slower than balanced splits
-// to 3-11%, 1.03-1.33x faster.
+// to 3-12%, 1.02-1.33x faster.
 
 constexpr int kTileRows = kBlock;  // tokens per tile: one column-wise block
 constexpr int kTileCols = kBlock;  // columns per tile: one row-wise block
