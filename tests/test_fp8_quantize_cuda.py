@@ -83,7 +83,7 @@ def assert_columnwise(got: fp8.BlockQuantized, want: fp8.BlockQuantized, splits,
         owned_data[padded:run_end] = True
         owned_scales[block : block + blocks] = True
     if sentinel:
-        assert (bits(got.data)[:, ~owned_data] == SENTINEL).all(), f"{case}: padding columns were written"
+        assert (bits(got.data)[:, ~owned_data] == SENTINEL).all(), f"{case}: columns no expert owns were written"
         assert torch.isnan(got.scale_inv.cpu()[~owned_scales]).all(), f"{case}: unused scale rows were written"
 
 
