@@ -134,9 +134,10 @@ def test_rowwise_matches_reference_bitwise(cols, dtype, fp8_dtype, pow2, epsilon
 @pytest.mark.parametrize(
     "num_groups,rows,cols",
     # The column-wise walk goes in bands of two column tiles: (16, 32768, 1024)
-    # has four, (6, 3000, 320) a last band of one.
+    # has four, (6, 3000, 320) a last band of one. Each CTA scans m_splits
+    # with 256 threads: 300 and 1100 groups take two and five per thread.
     [(1, 300, 64), (4, 517, 200), (32, 4096, 128), (256, 2000, 96), (8, 1000, 7), (16, 32768, 1024),
-     (6, 3000, 320), (300, 2500, 128)],
+     (6, 3000, 320), (300, 2500, 128), (1100, 4000, 136)],
 )
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
@@ -238,7 +239,7 @@ def test_grouped_replays_under_capture_with_new_splits(rowwise, dbias):
     num_groups, rows, cols = 8, 1024, 256
     static_x = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16)
     static_splits = torch.tensor(make_splits("balanced", num_groups, rows), device=DEVICE)
-    # Warm-up outside capture: sizes the workspace (offsets and dbias partials).
+    # Warm-up outside capture: sizes the workspace (the dbias partials).
     out = fp8.quantize_grouped(static_x, static_splits, E4M3, rowwise=rowwise, dbias=dbias)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -131,35 +131,146 @@ __device__ inline int tile_offset(int r, int c) {
   return r * kTileCols * static_cast<int>(sizeof(T)) + chunk * 16 + (c % kPerChunk) * static_cast<int>(sizeof(T));
 }
 
-// The rows of scale block `block`: inside group `group` (the largest g with
-// b_g <= block; empty groups share their b_g with the next group, which is
-// the one that owns it), or, from blocks[E] on, group -1: the row-wise-only
-// tokens past the last group. valid_rows <= 0 when the block holds none.
-struct TileRows {
-  int group;
-  int64_t row0;
-  int valid_rows;
+// ---- the group layout, computed by every CTA -------------------------------
+//
+// Offsets o_e, padded starts p_e and block starts b_e (see the C ABI header)
+// from device m_splits, with the clamping of scan_splits_columnwise. Each CTA
+// scans the E counts itself (they stay in L2 after the first CTAs). Against
+// a one-block layout kernel ahead of the quantizer (6 us per call), its
+// results read back with a binary search per CTA, this measured on the H100
+// (benchmarks/fp8.py, skewed splits): column-wise 1.03-1.09x, row-wise and
+// column-wise 1.01-1.07x, with dbias 1.02-1.08x. The dbias kernel's CTAs,
+// many and short, do not scan: a version where they did was 1.2x slower
+// with dbias at E = 128; CTA 0 of the quantizer writes b_e for them.
+
+struct Splits {
+  const void* data;
+  bool is64;
 };
 
-__device__ inline TileRows locate_tile(int64_t block, const int64_t* offsets, const int64_t* blocks, int num_groups,
-                                       int64_t rows) {
-  TileRows span{-1, 0, 0};
-  int64_t row_end;
-  if (block < blocks[num_groups]) {
-    int lo = 0, hi = num_groups - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (blocks[mid] <= block) lo = mid; else hi = mid - 1;
+__device__ inline int64_t clamped_split(Splits splits, int g, int64_t rows) {
+  int64_t raw = splits.is64 ? static_cast<const int64_t*>(splits.data)[g]
+                            : static_cast<int64_t>(static_cast<const int32_t*>(splits.data)[g]);
+  return raw < 0 ? 0 : raw > rows ? rows : raw;
+}
+
+// Exclusive prefix sums of v[0] and v[1] over the CTA's threads, in place;
+// `total` gets the sums over all of them. All kThreads threads must call.
+__device__ inline void cta_exclusive_sum(int64_t (&v)[2], int64_t (&total)[2]) {
+  __shared__ int64_t warp_totals[kThreads / 32][2];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  int64_t inclusive[2] = {v[0], v[1]};
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive[i], d);
+      if (lane >= d) inclusive[i] += up;
     }
-    span.group = lo;
-    span.row0 = offsets[lo] + (block - blocks[lo]) * kTileRows;
-    row_end = offsets[lo + 1];
-  } else {
-    span.row0 = offsets[num_groups] + (block - blocks[num_groups]) * kTileRows;
-    row_end = rows;
   }
-  const int64_t valid = row_end - span.row0;
-  span.valid_rows = static_cast<int>(valid < kTileRows ? valid : kTileRows);
+  if (lane == 31) {
+    warp_totals[warp][0] = inclusive[0];
+    warp_totals[warp][1] = inclusive[1];
+  }
+  __syncthreads();
+  int64_t before[2] = {0, 0};
+  total[0] = total[1] = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (w < warp) before[i] += warp_totals[w][i];
+      total[i] += warp_totals[w][i];
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) v[i] = before[i] + inclusive[i] - v[i];
+  __syncthreads();  // warp_totals is reused by the next call
+}
+
+// offsets[E] and b_E: where the tokens past the last group start, in x and
+// in the scale rows.
+struct GroupsEnd {
+  int64_t row;
+  int64_t block;
+};
+
+// Calls visit(g, o_g, m_g, {p_g, b_g}) once for every group, spread over the
+// CTA's threads (consecutive groups per thread), m_g the clamped count. All
+// kThreads threads must call.
+template <typename Visitor>
+__device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Visitor visit) {
+  const int per_thread = (num_groups + kThreads - 1) / kThreads;
+  const int first = min(static_cast<int>(threadIdx.x) * per_thread, num_groups);
+  const int last = min(first + per_thread, num_groups);
+  int64_t sums[2] = {0, 0};
+  int64_t totals[2];
+  for (int g = first; g < last; ++g) sums[0] += clamped_split(splits, g, rows);
+  cta_exclusive_sum(sums, totals);
+  // Unclamped running sums s: group g holds [min(s_g, rows), min(s_g+1, rows)).
+  const int64_t first_sum = sums[0];
+  const int64_t end_row = totals[0] < rows ? totals[0] : rows;
+  auto range = [&](int64_t& s, int g, int64_t* start, int64_t* count) {
+    *start = s < rows ? s : rows;
+    s += clamped_split(splits, g, rows);
+    *count = (s < rows ? s : rows) - *start;
+  };
+  int64_t extents[2] = {0, 0};  // padded tokens and scale blocks of this thread's groups
+  int64_t s = first_sum;
+  for (int g = first; g < last; ++g) {
+    int64_t start, count;
+    range(s, g, &start, &count);
+    extents[0] += (count + 15) / 16 * 16;
+    extents[1] += (count + kBlock - 1) / kBlock;
+  }
+  cta_exclusive_sum(extents, totals);
+  ColumnwiseStart at{extents[0], extents[1]};
+  s = first_sum;
+  for (int g = first; g < last; ++g) {
+    int64_t start, count;
+    range(s, g, &start, &count);
+    visit(g, start, count, at);
+    at.padded += (count + 15) / 16 * 16;
+    at.block += (count + kBlock - 1) / kBlock;
+  }
+  return {end_row, totals[1]};
+}
+
+// Where scale block `block` lies: block j of group `group`, its tokens from
+// row0 on and its first column in qt p_e + 128 j; or, from b_E on, group -1:
+// the row-wise-only tokens past the last group. valid_rows <= 0 when the
+// block holds none.
+struct TileRows {
+  int group;
+  int valid_rows;
+  int64_t row0;
+  int64_t qt_column;
+};
+
+// `blocks_out`, when not NULL, gets b_0..b_E (for the dbias kernel).
+__device__ inline TileRows locate_tile(int64_t block, Splits splits, int num_groups, int64_t rows,
+                                       int64_t* blocks_out) {
+  __shared__ TileRows found;
+  if (threadIdx.x == 0) found.group = -1;  // published by scan_groups' barriers
+  const GroupsEnd end = scan_groups(splits, num_groups, rows, [&](int g, int64_t start, int64_t count,
+                                                                  ColumnwiseStart at) {
+    if (blocks_out != nullptr) blocks_out[g] = at.block;
+    // Only a non-empty group owns blocks, so exactly one thread matches.
+    const int64_t j = block - at.block;
+    if (j >= 0 && j * kBlock < count) {
+      const int64_t left = count - j * kBlock;
+      found = TileRows{g, static_cast<int>(left < kBlock ? left : kBlock), start + j * kBlock, at.padded + j * kBlock};
+    }
+  });
+  if (blocks_out != nullptr && threadIdx.x == 0) blocks_out[num_groups] = end.block;
+  __syncthreads();
+  TileRows span = found;
+  if (span.group < 0) {
+    span.row0 = end.row + (block - end.block) * kTileRows;
+    const int64_t left = rows - span.row0;
+    span.valid_rows = static_cast<int>(left < kTileRows ? left : kTileRows);
+  }
   return span;
 }
 
@@ -186,10 +297,8 @@ struct GroupedArgs {
   float fp8_max;
   bool pow2;
   float epsilon;
-  // The group layout, written by grouped_layout_kernel (all [E + 1]).
-  const int64_t* offsets;  // first token of each group; offsets[E]: end of the last
-  const int64_t* padded;   // p_e: first column of group e in qt
-  const int64_t* blocks;   // b_e: first scale row of group e; blocks[E]: all groups' blocks
+  Splits splits;           // m_splits [E] on the device
+  int64_t* blocks;         // b_0..b_E, written by CTA 0 for the dbias kernel, or nullptr
   uint8_t* q;              // row-wise [rows, cols] (kRowwise only)
   float* scale_inv;        // row-wise [rows, col_tiles]
   uint8_t* qt;             // column-wise [cols, padded_rows]
@@ -217,23 +326,23 @@ __device__ inline void rowwise_block(const float (&v)[16], const GroupedArgs& a,
   if (part == 0) a.scale_inv[row * a.col_tiles + col_tile] = 1.f / scale;
 }
 
-// The column-wise blocks of one tile in shared memory (block `block` of group
-// `group`, columns col0...). Lane = 8 * (which of the warp's four columns) +
-// segment: each lane reads its 16-token segment of one column (the swizzle
-// puts the eight segments in eight different bank groups). A column's amax
+// The column-wise blocks of one tile in shared memory (scale block `block`,
+// in the group that `span` names; columns col0...). Lane = 8 * (which of the
+// warp's four columns) + segment: each lane reads its 16-token segment of one
+// column (the swizzle puts the eight segments in eight different bank groups). A column's amax
 // and sum reduce over its eight lanes in a fixed tree (xor 1, 2, 4), which
 // with the in-order segment sums fixes the dbias summation order. kSum: the
 // dbias partials are wanted (written when a.partials is set).
 template <typename T, bool kE4M3, bool kSum>
-__device__ inline void column_pass(const unsigned char* tile, const GroupedArgs& a, int group, int64_t block,
-                                   int64_t col0, int valid_rows, bool vector) {
+__device__ inline void column_pass(const unsigned char* tile, const GroupedArgs& a, const TileRows& span,
+                                   int64_t block, int64_t col0, bool vector) {
   constexpr int kLanesPerColumn = kTileRows / kSegment;                   // 8
   constexpr int kColumnsPerRound = kThreads / kLanesPerColumn;           // 32
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int segment = lane % kLanesPerColumn;
-  const int segment_rows = valid_rows - segment * kSegment;  // may be <= 0
-  uint8_t* qt_block = a.qt + a.padded[group] + (block - a.blocks[group]) * kTileRows + segment * kSegment;
+  const int segment_rows = span.valid_rows - segment * kSegment;  // may be <= 0
+  uint8_t* qt_block = a.qt + span.qt_column + segment * kSegment;
 #pragma unroll 1
   for (int round = 0; round < kTileCols / kColumnsPerRound; ++round) {
     const int c = round * kColumnsPerRound + warp * (32 / kLanesPerColumn) + lane / kLanesPerColumn;
@@ -266,21 +375,6 @@ __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs&
   }
 }
 
-template <typename SplitT>
-__global__ void __launch_bounds__(kSetupThreads)
-    grouped_layout_kernel(const SplitT* m_splits, int num_groups, int64_t rows, int64_t* offsets,
-                          int64_t* padded, int64_t* blocks) {
-  scan_splits_columnwise(m_splits, num_groups, rows, offsets,
-                         [&](int g, int64_t, int64_t count, ColumnwiseStart at) {
-                           padded[g] = at.padded;
-                           blocks[g] = at.block;
-                           if (g == num_groups - 1) {
-                             padded[num_groups] = at.padded + (count + 15) / 16 * 16;
-                             blocks[num_groups] = at.block + (count + kBlock - 1) / kBlock;
-                           }
-                         });
-}
-
 template <typename T, bool kE4M3, bool kRowwise, bool kDbias, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     grouped_1x128_kernel(const T* __restrict__ x, const GroupedArgs a) {
@@ -289,7 +383,7 @@ __global__ void __launch_bounds__(kThreads)
   int64_t block, col_tile;
   tile_coords(blockIdx.x, (a.rows + kBlock - 1) / kBlock + a.num_groups, a.col_tiles, a.band, &block, &col_tile);
   const int64_t col0 = col_tile * kTileCols;
-  const TileRows span = locate_tile(block, a.offsets, a.blocks, a.num_groups, a.rows);
+  const TileRows span = locate_tile(block, a.splits, a.num_groups, a.rows, blockIdx.x == 0 ? a.blocks : nullptr);
   if ((span.group < 0 && !kRowwise) || span.valid_rows <= 0) return;
   const int group = span.group;
   const int64_t row0 = span.row0;
@@ -345,7 +439,7 @@ __global__ void __launch_bounds__(kThreads)
   if (group < 0) return;  // tokens outside every group: row-wise only
   __syncthreads();
 
-  column_pass<T, kE4M3, kDbias>(tile, a, group, block, col0, valid_rows, kVector);
+  column_pass<T, kE4M3, kDbias>(tile, a, span, block, col0, kVector);
 }
 
 // dbias[e, c] from the per-block column sums of group e: warp w adds blocks
@@ -414,27 +508,21 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
   }
   const bool need_partials = dbias != nullptr && rows > 0 && cols > 0;
   auto cuda_stream = static_cast<cudaStream_t>(stream);
-  WorkspaceCarver plan(nullptr);
-  plan.take<int64_t>(num_groups + 1);
-  plan.take<int64_t>(num_groups + 1);
-  plan.take<int64_t>(num_groups + 1);
-  if (need_partials) plan.take<float>(static_cast<size_t>(scale_rows * cols));
-  void* base = nullptr;
-  MG_RETURN_IF_ERROR(workspace_get(device, workspace_slot, plan.bytes_used(), cuda_stream, &base));
-  WorkspaceCarver carve(base);
-  int64_t* offsets = carve.take<int64_t>(num_groups + 1);
-  int64_t* padded = carve.take<int64_t>(num_groups + 1);
-  int64_t* blocks = carve.take<int64_t>(num_groups + 1);
-  float* partials = need_partials ? carve.take<float>(static_cast<size_t>(scale_rows * cols)) : nullptr;
-
-  if (splits_dtype == MG_INT32) {
-    grouped_layout_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(static_cast<const int32_t*>(m_splits), num_groups,
-                                                                 rows, offsets, padded, blocks);
-  } else {
-    grouped_layout_kernel<<<1, kSetupThreads, 0, cuda_stream>>>(static_cast<const int64_t*>(m_splits), num_groups,
-                                                                 rows, offsets, padded, blocks);
+  // Scratch memory only for dbias: the per-block column sums and the block
+  // starts b_e, which the quantize kernel's CTA 0 writes for the dbias kernel
+  // (every CTA derives the group layout from m_splits itself).
+  float* partials = nullptr;
+  int64_t* blocks = nullptr;
+  if (need_partials) {
+    WorkspaceCarver plan(nullptr);
+    plan.take<int64_t>(num_groups + 1);
+    plan.take<float>(static_cast<size_t>(scale_rows * cols));
+    void* base = nullptr;
+    MG_RETURN_IF_ERROR(workspace_get(device, workspace_slot, plan.bytes_used(), cuda_stream, &base));
+    WorkspaceCarver carve(base);
+    blocks = carve.take<int64_t>(num_groups + 1);
+    partials = carve.take<float>(static_cast<size_t>(scale_rows * cols));
   }
-  MG_CUDA_RETURN(cudaGetLastError());
 
   if (rows > 0 && cols > 0) {
     GroupedArgs args{};
@@ -452,8 +540,7 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.fp8_max = fp8_max;
     args.pow2 = config.pow2_scales != 0;
     args.epsilon = config.amax_epsilon;
-    args.offsets = offsets;
-    args.padded = padded;
+    args.splits = Splits{m_splits, splits_dtype == MG_INT64};
     args.blocks = blocks;
     args.q = static_cast<uint8_t*>(q);
     args.scale_inv = scale_inv;
@@ -484,7 +571,10 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     MG_CUDA_RETURN(cudaGetLastError());
   }
 
-  if (dbias != nullptr && cols > 0) {
+  if (dbias != nullptr && cols > 0 && !need_partials) {
+    // No tokens: every group's column sums are zero.
+    MG_CUDA_RETURN(cudaMemsetAsync(dbias, 0, sizeof(float) * static_cast<size_t>(num_groups) * cols, cuda_stream));
+  } else if (need_partials) {
     const int64_t dbias_tiles = (cols + kDbiasCols - 1) / kDbiasCols;
     if (dbias_tiles * num_groups > INT32_MAX) {
       return fail(MG_ERROR_INVALID_ARGUMENT, "dbias [%d, %lld] is too large", num_groups,

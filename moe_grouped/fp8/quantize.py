@@ -6,8 +6,8 @@ over each expert's tokens (see :func:`quantize_columnwise_grouped`);
 :func:`quantize_grouped` makes both, and the fused dbias, from one read of
 the tokens; :func:`quantize_weights_128x128` makes the 128x128 weight blocks
 and their transposed copy. All read ``m_splits`` only on the device and can
-be captured in CUDA graphs (run one eager call first: it sizes the
-workspace). On CPU tensors each falls back to the reference (which returns
+be captured in CUDA graphs (run one eager call first: with dbias it sizes
+the workspace). On CPU tensors each falls back to the reference (which returns
 new tensors, zero where the kernels leave padding untouched, and ignores
 ``out``).
 """
@@ -154,8 +154,8 @@ def quantize_grouped(
     :func:`quantize_columnwise_grouped`, bit for bit; dbias is summed in a
     fixed order (see :func:`grouped_column_sums`), so it is deterministic.
     ``out`` reuses buffers; its fields must match ``rowwise`` and ``dbias``.
-    With dbias the workspace slot holds per-block column sums
-    (4 * K * (ceil(M / 128) + E) bytes).
+    Only dbias uses the workspace slot: per-block column sums and block
+    starts (4 * K * (ceil(M / 128) + E) + 8 * (E + 1) bytes).
     """
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     rows, cols = x.shape

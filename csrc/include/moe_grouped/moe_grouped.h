@@ -219,9 +219,10 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
  *     which are then added in order w = 0..7.
  * Columns of qt past p_E and rows of scale_inv_t that no group owns are not
  * written.
- * The group layout (3 * (E + 1) int64) and, with dbias, per-block column
- * sums ((ceil(rows / 128) + E) * cols fp32) live in the (device,
- * workspace_slot) workspace: size it with one eager call before capture.   */
+ * Only dbias needs scratch memory: the block starts ((E + 1) int64) and
+ * per-block column sums ((ceil(rows / 128) + E) * cols fp32) live in the
+ * (device, workspace_slot) workspace; size it with one eager call before
+ * capture. Without dbias the workspace is not touched.                     */
 MG_API mg_status mg_quantize_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt,
