@@ -9,7 +9,7 @@ kernels must leave untouched.
 import pytest
 import torch
 
-from moe_grouped import _checks, _core, fp8
+from moe_grouped import _checks, _core, fp8, workspace
 
 from cases import SPLIT_PATTERNS, make_splits, oracle_dbias
 
@@ -262,6 +262,29 @@ def test_grouped_replays_under_capture_with_new_splits(rowwise, dbias):
         assert_columnwise(out.columnwise, want.columnwise, splits, rows, case, sentinel=False)
         if dbias:
             assert_dbias(out.dbias, static_x, splits, case)
+
+
+def test_grouped_without_dbias_captures_without_a_workspace():
+    # Without dbias the quantizer needs no scratch memory: a capture with no
+    # eager call before it works, and the slot stays unallocated.
+    slot = _core.MAX_SLOTS - 1  # used by nothing else
+    workspace.release(DEVICE, slot)
+    rows, cols, num_groups = 1000, 256, 8
+    static_x = torch.randn(rows, cols, device=DEVICE, dtype=torch.bfloat16)
+    static_splits = torch.zeros(num_groups, dtype=torch.int64, device=DEVICE)
+    out = sentinel_out(rows, cols, num_groups, E4M3, rowwise=True, dbias=False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8.quantize_grouped(static_x, static_splits, E4M3, workspace_slot=slot, out=out)
+    for replay, pattern in enumerate(SPLIT_PATTERNS):
+        splits = make_splits(pattern, num_groups, rows, seed=replay)
+        static_splits.copy_(torch.tensor(splits))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fp8.quantize_grouped_1x128(static_x.cpu(), splits, E4M3, True)
+        assert_rowwise(out.rowwise, want.rowwise, pattern)
+        assert_columnwise(out.columnwise, want.columnwise, splits, rows, pattern, sentinel=False)
+    assert workspace.stats(DEVICE, slot).capacity == 0
 
 
 # ---- 128x128 weights ---------------------------------------------------------
