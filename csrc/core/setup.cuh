@@ -9,6 +9,13 @@ namespace moe_grouped {
 
 constexpr int kSetupThreads = 1024;
 
+// A count from m_splits clamped to [0, total_rows], before any running sum:
+// a wrong m_splits must neither overflow the sum nor make a kernel read past
+// the static buffer. Every reader of m_splits clamps this way.
+__host__ __device__ inline int64_t clamp_split(int64_t raw, int64_t total_rows) {
+  return raw < 0 ? 0 : raw > total_rows ? total_rows : raw;
+}
+
 // One block walks the groups in chunks of kSetupThreads, computes
 // offsets[0..num_groups] (exclusive prefix sum of the counts, each clamped so
 // that no group passes `total_rows`: a wrong m_splits must not make a kernel
@@ -26,13 +33,7 @@ __device__ void scan_split_chunks(const SplitT* m_splits, int num_groups, int64_
   __syncthreads();
   for (int base = 0; base < num_groups; base += kSetupThreads) {
     int g = base + static_cast<int>(threadIdx.x);
-    int64_t raw = 0;
-    if (g < num_groups) {
-      // Clamp first so that the running sum cannot overflow on garbage input.
-      raw = static_cast<int64_t>(m_splits[g]);
-      if (raw < 0) raw = 0;
-      if (raw > total_rows) raw = total_rows;
-    }
+    const int64_t raw = g < num_groups ? clamp_split(static_cast<int64_t>(m_splits[g]), total_rows) : 0;
     int64_t prefix = 0;
     int64_t chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(raw, prefix, chunk_total);
@@ -74,6 +75,12 @@ struct ColumnwiseStartSum {
   }
 };
 
+// What a group of `count` tokens takes in that layout: round_up(count, 16)
+// columns and ceil(count / 128) scale blocks.
+__device__ inline ColumnwiseStart columnwise_extent(int64_t count) {
+  return {(count + 15) / 16 * 16, (count + 127) / 128};
+}
+
 // As scan_splits, calling `visit(g, offset, count, columnwise_start)`.
 template <typename SplitT, typename Visitor>
 __device__ void scan_splits_columnwise(const SplitT* m_splits, int num_groups, int64_t total_rows,
@@ -85,7 +92,7 @@ __device__ void scan_splits_columnwise(const SplitT* m_splits, int num_groups, i
   __syncthreads();
   scan_split_chunks(m_splits, num_groups, total_rows, offsets,
                     [&](int g, bool valid, int64_t start, int64_t count) {
-                      ColumnwiseStart extent{(count + 15) / 16 * 16, (count + 127) / 128};
+                      const ColumnwiseStart extent = columnwise_extent(count);
                       ColumnwiseStart prefix{0, 0};
                       ColumnwiseStart total{0, 0};
                       Scan(scan_storage)

@@ -149,9 +149,9 @@ struct Splits {
 };
 
 __device__ inline int64_t clamped_split(Splits splits, int g, int64_t rows) {
-  int64_t raw = splits.is64 ? static_cast<const int64_t*>(splits.data)[g]
-                            : static_cast<int64_t>(static_cast<const int32_t*>(splits.data)[g]);
-  return raw < 0 ? 0 : raw > rows ? rows : raw;
+  return clamp_split(splits.is64 ? static_cast<const int64_t*>(splits.data)[g]
+                                 : static_cast<int64_t>(static_cast<const int32_t*>(splits.data)[g]),
+                     rows);
 }
 
 // Exclusive prefix sums of v[0] and v[1] over the CTA's threads, in place;
@@ -221,8 +221,9 @@ __device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Vi
   for (int g = first; g < last; ++g) {
     int64_t start, count;
     range(s, g, &start, &count);
-    extents[0] += (count + 15) / 16 * 16;
-    extents[1] += (count + kBlock - 1) / kBlock;
+    const ColumnwiseStart extent = columnwise_extent(count);
+    extents[0] += extent.padded;
+    extents[1] += extent.block;
   }
   cta_exclusive_sum(extents, totals);
   ColumnwiseStart at{extents[0], extents[1]};
@@ -231,8 +232,7 @@ __device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Vi
     int64_t start, count;
     range(s, g, &start, &count);
     visit(g, start, count, at);
-    at.padded += (count + 15) / 16 * 16;
-    at.block += (count + kBlock - 1) / kBlock;
+    at = ColumnwiseStartSum{}(at, columnwise_extent(count));
   }
   return {end_row, totals[1]};
 }
@@ -329,10 +329,11 @@ __device__ inline void rowwise_block(const float (&v)[16], const GroupedArgs& a,
 // The column-wise blocks of one tile in shared memory (scale block `block`,
 // in the group that `span` names; columns col0...). Lane = 8 * (which of the
 // warp's four columns) + segment: each lane reads its 16-token segment of one
-// column (the swizzle puts the eight segments in eight different bank groups). A column's amax
-// and sum reduce over its eight lanes in a fixed tree (xor 1, 2, 4), which
-// with the in-order segment sums fixes the dbias summation order. kSum: the
-// dbias partials are wanted (written when a.partials is set).
+// column (the swizzle puts the eight segments in eight different bank
+// groups). A column's amax and sum reduce over its eight lanes in a fixed
+// tree (xor 1, 2, 4), which with the in-order segment sums fixes the dbias
+// summation order. kSum: the dbias partials are wanted (written when
+// a.partials is set).
 template <typename T, bool kE4M3, bool kSum>
 __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs& a, const TileRows& span,
                                    int64_t block, int64_t col0, bool vector) {

@@ -1,13 +1,14 @@
 // Per-group column sums of dy for the bias gradient: dbias[e, :] = sum of the
 // rows of expert e. Graph-safe and workspace-free: every block finds its
-// group's rows from m_splits itself (clamped exactly like scan_splits), so
-// nothing is shared with a GEMM that may run beside it. Deterministic: a fixed
-// reduction order, no atomics.
+// group's rows from m_splits itself (clamped by clamp_split, as scan_splits
+// does), so nothing is shared with a GEMM that may run beside it.
+// Deterministic: a fixed reduction order, no atomics.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "core/convert.cuh"
 #include "core/error.h"
+#include "core/setup.cuh"
 #include "gemm/grouped_gemm.h"
 
 namespace moe_grouped::gemm {
@@ -32,10 +33,7 @@ __global__ void __launch_bounds__(kColumnThreads * kRowThreads)
 
   // Rows of group g: start = min(sum of clamped counts before g, M).
   int64_t before = 0;
-  for (int i = tid; i < g; i += kThreads) {
-    int64_t raw = static_cast<int64_t>(m_splits[i]);
-    before += raw < 0 ? 0 : (raw > total_rows ? total_rows : raw);
-  }
+  for (int i = tid; i < g; i += kThreads) before += clamp_split(static_cast<int64_t>(m_splits[i]), total_rows);
   partial[tid] = before;
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride /= 2) {
@@ -43,8 +41,7 @@ __global__ void __launch_bounds__(kColumnThreads * kRowThreads)
     __syncthreads();
   }
   int64_t start = partial[0] < total_rows ? partial[0] : total_rows;
-  int64_t raw = static_cast<int64_t>(m_splits[g]);
-  raw = raw < 0 ? 0 : (raw > total_rows ? total_rows : raw);
+  const int64_t raw = clamp_split(static_cast<int64_t>(m_splits[g]), total_rows);
   int64_t count = raw < total_rows - start ? raw : total_rows - start;
 
   const int column = blockIdx.x * kColumns + threadIdx.x * kVec;
