@@ -63,9 +63,11 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 // epilogue overlaps the other's mainloop.
 //
 // CUTLASS's mainloop waits for each K block's wgmmas before promoting them.
-// Overlapping the promotion with tensor-core work was measured twice on the
-// H100 and not kept, so the promotion stalls are not what limits these
-// kernels: (1) two temporaries, block k+1's wgmmas running during block k's
+// For wgrad that promotion costs real time: with the B scales taken out of
+// it (the row scale only, one FMA per value and no per-column scale loads;
+// wrong results, a measurement only) the wgrad ran 1.10-1.26x faster into
+// bf16 on the E=8 benchmark shapes (H100). Hiding it behind tensor-core work
+// was measured five ways and none was kept: (1) two temporaries, block k+1's wgmmas running during block k's
 // promotion: fprop/dgrad 0.93-1.07x, wgrad 0.59-0.90x (192 accumulator
 // registers plus the per-column scales spill past the consumers' 232);
 // (2) wgrad as two 64x64 halves per warpgroup, one half promoted while the
@@ -77,7 +79,14 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 // wgmmas only after warpgroup 0 has, and the other way round, so that one
 // promotes while the other's block runs; the H100 profile had shown the
 // tensor pipe 46% busy): bitwise equal, 0.92-1.01x into bf16 on the five
-// benchmark shapes.
+// benchmark shapes. (4) the 64 products sA[row] * sB[col] formed while the K
+// block's wgmmas run, from B scales the scale producer stores permuted so
+// that a thread reads eight 16-byte chunks instead of sixteen 8-byte ones,
+// then one FMA per value: 0.88-1.01x into bf16 on the E=8 shapes (ptxas
+// issued the loads and multiplies between the first and second wgmma); (5)
+// the same with a barrier after the fourth wgmma keeping them there:
+// 0.85-0.92x. Shared-memory loads and FP32 work issued while a warpgroup's
+// wgmmas run slow those wgmmas about as much as they save.
 template <Fp8Schedule S>
 struct ScheduleTraits;
 template <>
