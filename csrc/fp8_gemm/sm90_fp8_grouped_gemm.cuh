@@ -67,9 +67,10 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 // it (the row scale only, one FMA per value and no per-column scale loads;
 // wrong results, a measurement only) the wgrad ran 1.10-1.26x faster into
 // bf16 on the E=8 benchmark shapes (H100). Hiding it behind tensor-core work
-// was measured five ways and none was kept: (1) two temporaries, block k+1's wgmmas running during block k's
-// promotion: fprop/dgrad 0.93-1.07x, wgrad 0.59-0.90x (192 accumulator
-// registers plus the per-column scales spill past the consumers' 232);
+// was measured five ways and none was kept: (1) two temporaries, block
+// k+1's wgmmas running during block k's promotion: fprop/dgrad 0.93-1.07x,
+// wgrad 0.59-0.90x (192 accumulator registers plus the per-column scales
+// spill past the consumers' 232);
 // (2) wgrad as two 64x64 halves per warpgroup, one half promoted while the
 // other runs (no spills, bitwise equal): wgrad into bf16 0.85-1.07x, into
 // fp32 0.93-1.06x. Both need a warpgroup barrier between reading a stage's
