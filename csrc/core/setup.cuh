@@ -16,6 +16,19 @@ __host__ __device__ inline int64_t clamp_split(int64_t raw, int64_t total_rows) 
   return raw < 0 ? 0 : raw > total_rows ? total_rows : raw;
 }
 
+// Rows [start, start + count) of a group in a buffer of `total_rows`, given
+// its clamped count and the sum of the clamped counts before it: the group is
+// cut where the buffer ends.
+struct GroupRows {
+  int64_t start;
+  int64_t count;
+};
+
+__host__ __device__ inline GroupRows group_rows(int64_t before, int64_t count, int64_t total_rows) {
+  const int64_t start = before < total_rows ? before : total_rows;
+  return {start, count < total_rows - start ? count : total_rows - start};
+}
+
 // One block walks the groups in chunks of kSetupThreads, computes
 // offsets[0..num_groups] (exclusive prefix sum of the counts, each clamped so
 // that no group passes `total_rows`: a wrong m_splits must not make a kernel
@@ -37,11 +50,9 @@ __device__ void scan_split_chunks(const SplitT* m_splits, int num_groups, int64_
     int64_t prefix = 0;
     int64_t chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(raw, prefix, chunk_total);
-    int64_t start = carry + prefix;
-    if (start > total_rows) start = total_rows;
-    int64_t count = raw < total_rows - start ? raw : total_rows - start;
-    if (g < num_groups) offsets[g] = start;
-    visit(g, g < num_groups, start, g < num_groups ? count : int64_t{0});
+    const GroupRows at = group_rows(carry + prefix, raw, total_rows);
+    if (g < num_groups) offsets[g] = at.start;
+    visit(g, g < num_groups, at.start, g < num_groups ? at.count : int64_t{0});
     __syncthreads();
     if (threadIdx.x == 0) carry += chunk_total;
     __syncthreads();

@@ -3,6 +3,8 @@
 // that wgrad reduces over, in the padded layout the FP8 wgrad GEMM reads),
 // both from one read of x, and the fused per-expert dbias. Group boundaries
 // come from device m_splits; nothing syncs with the host.
+#include <cub/block/block_scan.cuh>
+
 #include <cstdint>
 
 #include "core/setup.cuh"
@@ -154,41 +156,6 @@ __device__ inline int64_t clamped_split(Splits splits, int g, int64_t rows) {
                      rows);
 }
 
-// Exclusive prefix sums of v[0] and v[1] over the CTA's threads, in place;
-// `total` gets the sums over all of them. All kThreads threads must call.
-__device__ inline void cta_exclusive_sum(int64_t (&v)[2], int64_t (&total)[2]) {
-  __shared__ int64_t warp_totals[kThreads / 32][2];
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-  int64_t inclusive[2] = {v[0], v[1]};
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int64_t up = __shfl_up_sync(0xffffffffu, inclusive[i], d);
-      if (lane >= d) inclusive[i] += up;
-    }
-  }
-  if (lane == 31) {
-    warp_totals[warp][0] = inclusive[0];
-    warp_totals[warp][1] = inclusive[1];
-  }
-  __syncthreads();
-  int64_t before[2] = {0, 0};
-  total[0] = total[1] = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (w < warp) before[i] += warp_totals[w][i];
-      total[i] += warp_totals[w][i];
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) v[i] = before[i] + inclusive[i] - v[i];
-  __syncthreads();  // warp_totals is reused by the next call
-}
-
 // offsets[E] and b_E: where the tokens past the last group start, in x and
 // in the scale rows.
 struct GroupsEnd {
@@ -201,40 +168,40 @@ struct GroupsEnd {
 // kThreads threads must call.
 template <typename Visitor>
 __device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Visitor visit) {
+  using RowScan = cub::BlockScan<int64_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using ExtentScan = cub::BlockScan<ColumnwiseStart, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename RowScan::TempStorage row_storage;
+  __shared__ typename ExtentScan::TempStorage extent_storage;
   const int per_thread = (num_groups + kThreads - 1) / kThreads;
   const int first = min(static_cast<int>(threadIdx.x) * per_thread, num_groups);
   const int last = min(first + per_thread, num_groups);
-  int64_t sums[2] = {0, 0};
-  int64_t totals[2];
-  for (int g = first; g < last; ++g) sums[0] += clamped_split(splits, g, rows);
-  cta_exclusive_sum(sums, totals);
-  // Unclamped running sums s: group g holds [min(s_g, rows), min(s_g+1, rows)).
-  const int64_t first_sum = sums[0];
-  const int64_t end_row = totals[0] < rows ? totals[0] : rows;
-  auto range = [&](int64_t& s, int g, int64_t* start, int64_t* count) {
-    *start = s < rows ? s : rows;
-    s += clamped_split(splits, g, rows);
-    *count = (s < rows ? s : rows) - *start;
-  };
-  int64_t extents[2] = {0, 0};  // padded tokens and scale blocks of this thread's groups
-  int64_t s = first_sum;
+
+  int64_t counts = 0;
+  for (int g = first; g < last; ++g) counts += clamped_split(splits, g, rows);
+  int64_t before = 0;  // clamped counts of the groups before this thread's
+  int64_t all_counts = 0;
+  RowScan(row_storage).ExclusiveSum(counts, before, all_counts);
+
+  ColumnwiseStart extents{0, 0};  // padded tokens and scale blocks of this thread's groups
+  int64_t sum = before;
   for (int g = first; g < last; ++g) {
-    int64_t start, count;
-    range(s, g, &start, &count);
-    const ColumnwiseStart extent = columnwise_extent(count);
-    extents[0] += extent.padded;
-    extents[1] += extent.block;
+    const int64_t count = clamped_split(splits, g, rows);
+    extents = ColumnwiseStartSum{}(extents, columnwise_extent(group_rows(sum, count, rows).count));
+    sum += count;
   }
-  cta_exclusive_sum(extents, totals);
-  ColumnwiseStart at{extents[0], extents[1]};
-  s = first_sum;
+  ColumnwiseStart at{0, 0};
+  ColumnwiseStart all_extents{0, 0};
+  ExtentScan(extent_storage).ExclusiveScan(extents, at, ColumnwiseStart{0, 0}, ColumnwiseStartSum{}, all_extents);
+
+  sum = before;
   for (int g = first; g < last; ++g) {
-    int64_t start, count;
-    range(s, g, &start, &count);
-    visit(g, start, count, at);
-    at = ColumnwiseStartSum{}(at, columnwise_extent(count));
+    const int64_t count = clamped_split(splits, g, rows);
+    const GroupRows group = group_rows(sum, count, rows);
+    visit(g, group.start, group.count, at);
+    at = ColumnwiseStartSum{}(at, columnwise_extent(group.count));
+    sum += count;
   }
-  return {end_row, totals[1]};
+  return {all_counts < rows ? all_counts : rows, all_extents.block};
 }
 
 // Where scale block `block` lies: block j of group `group`, its tokens from
@@ -252,7 +219,8 @@ struct TileRows {
 __device__ inline TileRows locate_tile(int64_t block, Splits splits, int num_groups, int64_t rows,
                                        int64_t* blocks_out) {
   __shared__ TileRows found;
-  if (threadIdx.x == 0) found.group = -1;  // published by scan_groups' barriers
+  if (threadIdx.x == 0) found.group = -1;
+  __syncthreads();  // before any visitor can write `found`
   const GroupsEnd end = scan_groups(splits, num_groups, rows, [&](int g, int64_t start, int64_t count,
                                                                   ColumnwiseStart at) {
     if (blocks_out != nullptr) blocks_out[g] = at.block;

@@ -31,7 +31,7 @@ __global__ void __launch_bounds__(kColumnThreads * kRowThreads)
   const int g = blockIdx.y;
   const int tid = threadIdx.y * kColumnThreads + threadIdx.x;
 
-  // Rows of group g: start = min(sum of clamped counts before g, M).
+  // Rows of group g: after the clamped counts of the groups before it.
   int64_t before = 0;
   for (int i = tid; i < g; i += kThreads) before += clamp_split(static_cast<int64_t>(m_splits[i]), total_rows);
   partial[tid] = before;
@@ -40,9 +40,10 @@ __global__ void __launch_bounds__(kColumnThreads * kRowThreads)
     if (tid < stride) partial[tid] += partial[tid + stride];
     __syncthreads();
   }
-  int64_t start = partial[0] < total_rows ? partial[0] : total_rows;
-  const int64_t raw = clamp_split(static_cast<int64_t>(m_splits[g]), total_rows);
-  int64_t count = raw < total_rows - start ? raw : total_rows - start;
+  const GroupRows rows =
+      group_rows(partial[0], clamp_split(static_cast<int64_t>(m_splits[g]), total_rows), total_rows);
+  const int64_t start = rows.start;
+  const int64_t count = rows.count;
 
   const int column = blockIdx.x * kColumns + threadIdx.x * kVec;
   float acc[kVec];
