@@ -17,6 +17,17 @@ buffer keeps a static size: ``min(T * top_k, E * capacity)`` rows, or exactly
 ``e * capacity``, padding rows are zero, ``m_splits`` is ``capacity`` for
 every expert). Everything stays on the device and can be captured.
 
+Expert indices outside ``[0, E)``: where the indices can be read on the host
+(the ``reference`` backend, or any backend with
+:func:`moe_grouped.set_debug_checks` on, outside capture) ``permute`` raises
+ValueError naming the first bad index and its token and slot. Elsewhere (the
+``torch`` and ``cuda`` backends, capture) nothing reads or writes out of
+bounds: such a copy is dropped exactly like one past an expert's capacity
+(``row_id_map`` -1, not counted in ``m_splits``, adds 0 to the combine, zero
+gradient). Without a capacity the rows those copies leave at the end of the
+buffer (past ``sum(m_splits)``) belong to no expert; the ``cuda`` backend
+does not zero them.
+
 Both are differentiable: the gradient of ``permute`` sums each token's copies
 (an unweighted unpermute), the gradient of ``unpermute`` scatters the weighted
 output gradient back to the copies and gives the weights the dot products of
@@ -97,6 +108,35 @@ def _check_capacity_factor(capacity_factor) -> None:
         raise ValueError(f"capacity_factor must be a finite number >= 0 or None, got {capacity_factor!r}")
 
 
+def _check_experts_in_range(experts: torch.Tensor, num_experts: int) -> None:
+    """ValueError naming the first expert index outside [0, num_experts); reads them on the host.
+
+    Skipped during capture (the read cannot be captured): the kernels drop such copies.
+    """
+    if experts.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = ((experts < 0) | (experts >= num_experts)).nonzero()
+    if bad.shape[0]:
+        t, j = bad[0].tolist()
+        raise ValueError(
+            f"experts[{t}, {j}] = {int(experts[t, j])} is outside [0, {num_experts}) "
+            f"(num_experts={num_experts}); {bad.shape[0]} expert index(es) out of range"
+        )
+
+
+def _check_rows_in_range(row_id_map: torch.Tensor, num_rows: int) -> None:
+    """ValueError naming the first row_id_map entry outside [-1, num_rows); reads it on the host."""
+    if row_id_map.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = ((row_id_map < -1) | (row_id_map >= num_rows)).nonzero()
+    if bad.shape[0]:
+        i = int(bad[0, 0])
+        raise ValueError(
+            f"row_id_map[{i}] = {int(row_id_map[i])} is outside [-1, {num_rows}) (permuted has {num_rows} "
+            "rows); pass the row_id_map permute returned with these rows"
+        )
+
+
 def permuted_rows(
     num_tokens: int, top_k: int, num_experts: int, capacity: Optional[int], pad_to_capacity: bool = False
 ) -> int:
@@ -123,7 +163,10 @@ def permute(
     Args:
         tokens: [T, H] float tensor.
         experts: [T, top_k] int32/int64 expert indices in [0, num_experts)
-            (e.g. :attr:`moe_grouped.RoutingOutput.experts`).
+            (e.g. :attr:`moe_grouped.RoutingOutput.experts`). An index
+            outside it raises ValueError where the indices are read on the
+            host (``reference`` backend, debug checks outside capture), and
+            is a dropped copy elsewhere (see the module docstring).
         num_experts: E.
         probs: [T, top_k] routing probabilities of the chosen experts (e.g.
             :attr:`moe_grouped.RoutingOutput.weights`); needed only to drop by
@@ -184,6 +227,8 @@ def permute(
             f"the cuda permute kernels handle at most {CUDA_MAX_EXPERTS} experts, got num_experts="
             f"{num_experts}; use backend='torch'"
         )
+    if name == "reference" or _checks.debug_checks_enabled():
+        _check_experts_in_range(experts, num_experts)
     experts = experts.contiguous()
     by_probs = capacity is not None and drop_policy == "probs"
     priority = probs.detach().to(torch.float32).contiguous() if by_probs else None
@@ -206,7 +251,10 @@ def unpermute(
 ) -> torch.Tensor:
     """Combines the copies back per token: ``out[t] = sum_j weights[t, j] * permuted[row_id_map[t*k + j]]``.
 
-    Copies with ``row_id_map`` -1 (dropped) add nothing.
+    Copies with ``row_id_map`` -1 (dropped) add nothing. An entry outside
+    ``[-1, R)`` raises ValueError where it is read on the host (``reference``
+    backend, debug checks outside capture); the ``torch`` backend treats it as
+    dropped; the ``cuda`` kernels trust it (pass the map ``permute`` returned).
 
     Args:
         permuted: [R, H] rows in :func:`permute`'s order (e.g. the experts'
@@ -250,6 +298,8 @@ def unpermute(
     _checks.check_same_device("permuted", permuted, row_id_map=row_id_map, weights=weights)
     name = resolve_backend(backend, permuted.device)
     _check_dtype(name, permuted.dtype)
+    if name == "reference" or _checks.debug_checks_enabled():
+        _check_rows_in_range(row_id_map, permuted.shape[0])
     return torch.ops.moe_grouped.unpermute_rows(permuted, row_id_map.contiguous(), weights, top_k, name)
 
 

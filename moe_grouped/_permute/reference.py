@@ -33,7 +33,8 @@ def index(
     _refuse_capture(experts)
     buckets: list[list[int]] = [[] for _ in range(num_experts)]
     for copy, expert in enumerate(experts.reshape(-1).tolist()):
-        buckets[expert].append(copy)  # copies in increasing order: a stable sort
+        if 0 <= expert < num_experts:  # permute() refuses the others; called directly, they are dropped
+            buckets[expert].append(copy)  # copies in increasing order: a stable sort
     if capacity >= 0:
         if probs is not None:  # keep the most probable copies, ties to the lower copy
             p = probs.reshape(-1).tolist()
