@@ -90,17 +90,22 @@ def check_weights(weights: Sequence[torch.Tensor]) -> tuple[int, int, int]:
 
 
 def normalize_splits(
-    m_splits: SplitsLike, num_groups: int, total_rows: int, device: torch.device
+    m_splits: SplitsLike, num_groups: int, total_rows: int, device: torch.device, *, backend: str = ""
 ) -> torch.Tensor:
     """Returns ``m_splits`` as a 1-D int32/int64 tensor on ``device``.
 
     Host splits (a list or a CPU tensor used with CUDA data) are validated
-    fully on the host. Device splits are checked for dtype, shape and device
-    only, unless debug checks are on.
+    fully on the host: non-negative, summing to ``total_rows``. Device splits
+    are checked for dtype, shape and device only, unless debug checks are on
+    or ``backend`` is ``"reference"`` (which reads the counts on the host
+    anyway): then their values too, non-negative and summing to at most
+    ``total_rows`` -- a device ``m_splits`` may cover fewer rows than the
+    buffer (``permute`` with a capacity: the rows past the sum belong to no
+    expert).
     """
     if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
         _check_split_tensor(m_splits, num_groups)
-        if _debug_checks:
+        if _debug_checks or backend == "reference":
             _check_split_values_on_device(m_splits, total_rows)
         return m_splits
     if isinstance(m_splits, torch.Tensor):
@@ -136,20 +141,26 @@ def _check_split_tensor(m_splits: torch.Tensor, num_groups: int) -> None:
         )
 
 
-def _check_split_values(counts: Sequence[int], total_rows: int) -> None:
+def _check_split_values(counts: Sequence[int], total_rows: int, *, exact: bool = True) -> None:
     negative = [(i, c) for i, c in enumerate(counts) if c < 0]
     if negative:
         raise ValueError(f"m_splits must be non-negative, got negative counts at (expert, count) {negative}")
-    if sum(counts) != total_rows:
+    if exact and sum(counts) != total_rows:
         raise ValueError(
             f"m_splits must sum to the number of rows {total_rows}, got sum {sum(counts)} from {list(counts)}"
+        )
+    if sum(counts) > total_rows:
+        raise ValueError(
+            f"m_splits must sum to the number of rows {total_rows} or fewer (rows past the sum belong to no "
+            f"expert), got sum {sum(counts)} from {list(counts)}"
         )
 
 
 def _check_split_values_on_device(m_splits: torch.Tensor, total_rows: int) -> None:
-    valid = (m_splits >= 0).all() & (m_splits.sum() == total_rows)
+    counts = m_splits.to(torch.int64)  # an int32 sum could wrap
+    valid = (counts >= 0).all() & (counts.sum() <= total_rows)
     if m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
-        torch._assert_async(valid, "moe_grouped debug check: m_splits negative or not summing to rows")
+        torch._assert_async(valid, "moe_grouped debug check: m_splits negative or summing past the rows")
         return
     if not bool(valid):
-        _check_split_values(m_splits.tolist(), total_rows)
+        _check_split_values(m_splits.tolist(), total_rows, exact=False)

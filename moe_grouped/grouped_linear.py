@@ -247,8 +247,8 @@ class GroupedLinear(nn.Module):
         if x.dtype != first.dtype:
             raise TypeError(f"x has dtype {x.dtype} but the layer's parameters are {first.dtype}")
         _checks.check_same_device("the layer's parameters", first, x=x)
-        splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
         backend = backends.resolve(self.backend, x.device)
+        splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device, backend=backend)
         recipe = get_fp8_recipe()
         if recipe is None:
             check_backend_dtype(backend, x.dtype)

@@ -122,3 +122,48 @@ def test_ops_check_weights_and_bias():
         ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2])
     with pytest.raises(ValueError, match="accumulate=True needs"):
         ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2], num_groups=2, accumulate=True)
+
+
+# The reference backend reads m_splits on the host anyway, so a tensor m_splits
+# on the tokens' device is validated there like a list (issue 23).
+BAD_TENSOR_SPLITS = [
+    (torch.tensor([2, 2, 3]), ValueError, "sum to the number of rows 6 or fewer"),
+    (torch.tensor([4, -1, 3]), ValueError, "non-negative"),
+    (torch.tensor([3, 3]), ValueError, r"shape \(3,\)"),
+    (torch.tensor([2.0, 2.0, 2.0]), TypeError, "int32 or int64"),
+]
+
+
+@pytest.mark.parametrize("splits,error,message", BAD_TENSOR_SPLITS)
+def test_reference_backend_validates_tensor_splits(splits, error, message):
+    layer = GroupedLinear(3, 8, 4, backend="reference")
+    with pytest.raises(error, match=message):
+        layer(torch.randn(6, 8), splits)
+    weights = [torch.randn(3, 4, 8)]
+    with pytest.raises(error, match=message):
+        ops.grouped_fprop(torch.randn(6, 8), weights, splits, backend="reference")
+    with pytest.raises(error, match=message):
+        ops.grouped_dgrad(torch.randn(6, 4), weights, splits, backend="reference")
+    with pytest.raises(error, match=message):
+        ops.grouped_wgrad(torch.randn(6, 4), torch.randn(6, 8), splits, num_groups=3, backend="reference")
+    with pytest.raises(error, match=message):
+        ops.grouped_dbias(torch.randn(6, 4), splits, num_groups=3, backend="reference")
+
+
+def test_reference_backend_takes_tensor_splits_covering_fewer_rows():
+    # permute with a capacity leaves rows past sum(m_splits) that belong to no expert.
+    layer = GroupedLinear(3, 8, 4, backend="reference")
+    x = torch.randn(6, 8)
+    y = layer(x, torch.tensor([2, 0, 3]))
+    assert torch.allclose(y[:5], layer(x[:5], [2, 0, 3]))
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_debug_checks_accept_a_moe_layer_that_drops_tokens(backend):
+    moe = moe_grouped.MoELayer(8, 16, num_experts=4, top_k=2, capacity_factor=0.5, drop_policy="position",
+                               backend=backend)
+    moe_grouped.set_debug_checks(True)
+    try:
+        assert moe(torch.randn(12, 8)).shape == (12, 8)
+    finally:
+        moe_grouped.set_debug_checks(False)

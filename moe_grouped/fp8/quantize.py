@@ -166,7 +166,8 @@ def quantize_grouped(
     if num_groups < 1:
         raise ValueError(f"m_splits must be 1-D with one count per expert, got {m_splits!r}")
     if not x.is_cuda:
-        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device).tolist()
+        # Read on the host here, so validated like host splits.
+        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device, backend="reference").tolist()
         return quantize_grouped_1x128(x, counts, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, dbias=dbias)
     name = "mg_quantize_rowwise_columnwise_grouped_1x128" if rowwise else "mg_quantize_columnwise_grouped_1x128"
     function = _core_function(x, name)

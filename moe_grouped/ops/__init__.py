@@ -43,8 +43,8 @@ def _prepare(
     _checks.check_same_device(name, tokens, weights=first)
     if first.dtype != tokens.dtype:
         raise TypeError(f"{name} has dtype {tokens.dtype} but the weights have {first.dtype}")
-    splits = _checks.normalize_splits(m_splits, num_groups, tokens.shape[0], tokens.device)
     name = backends.resolve(backend, tokens.device)
+    splits = _checks.normalize_splits(m_splits, num_groups, tokens.shape[0], tokens.device, backend=name)
     check_backend_dtype(name, tokens.dtype)
     return num_groups, n, k, splits, name
 
@@ -135,8 +135,8 @@ def grouped_wgrad(
         raise ValueError(
             f"out must hold [N, K] = [{dy.shape[1]}, {x.shape[1]}] per expert, got [{n}, {k}]"
         )
-    splits = _checks.normalize_splits(m_splits, groups, dy.shape[0], dy.device)
     name = backends.resolve(backend, dy.device)
+    splits = _checks.normalize_splits(m_splits, groups, dy.shape[0], dy.device, backend=name)
     check_backend_dtype(name, dy.dtype)
     torch.ops.moe_grouped.grouped_wgrad_(dy, x, splits, out, accumulate, name)
     return out
@@ -156,8 +156,8 @@ def grouped_dbias(
         if not isinstance(m_splits, (torch.Tensor, list, tuple)):
             raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
         num_groups = len(m_splits)
-    splits = _checks.normalize_splits(m_splits, num_groups, dy.shape[0], dy.device)
     name = backends.resolve(backend, dy.device)
+    splits = _checks.normalize_splits(m_splits, num_groups, dy.shape[0], dy.device, backend=name)
     check_backend_dtype(name, dy.dtype)
     return torch.ops.moe_grouped.grouped_dbias(dy, splits, num_groups, out_dtype or dy.dtype, name)
 
@@ -177,8 +177,10 @@ def splits_to_offsets(
     num_groups = len(m_splits) if not isinstance(m_splits, torch.Tensor) else m_splits.shape[0]
     if num_groups == 0:
         raise ValueError("m_splits must hold at least one expert's count")
+    name = backends.resolve(backend, device)
+    # Not backend=name: a same-device tensor is clamped, not refused, on every backend alike.
     splits = _checks.normalize_splits(m_splits, num_groups, total_rows, device)
-    return torch.ops.moe_grouped.splits_to_offsets(splits, total_rows, backends.resolve(backend, device))
+    return torch.ops.moe_grouped.splits_to_offsets(splits, total_rows, name)
 
 
 __all__ = [
