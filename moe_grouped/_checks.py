@@ -52,6 +52,29 @@ def check_tensor(name: str, tensor: object, *, dim: int, dtypes=FLOAT_DTYPES) ->
     return tensor
 
 
+def check_out_dtype(out_dtype: object) -> None:
+    """``out_dtype`` of the grouped ops: None or a floating-point dtype the ops compute in."""
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        allowed = ", ".join(str(d) for d in FLOAT_DTYPES)
+        raise TypeError(f"out_dtype must be None or one of ({allowed}), got {out_dtype!r}")
+
+
+def check_num_groups(num_groups: object) -> None:
+    if not isinstance(num_groups, int) or isinstance(num_groups, bool) or num_groups < 1:
+        raise ValueError(f"num_groups must be a positive int (the number of experts), got {num_groups!r}")
+
+
+def groups_of_splits(m_splits: object) -> int:
+    """The number of experts ``m_splits`` holds counts for (its length), with errors naming it."""
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1:
+            raise ValueError(f"m_splits must be 1-D (one count per expert), got shape {tuple(m_splits.shape)}")
+        return m_splits.shape[0]
+    if isinstance(m_splits, (list, tuple)):
+        return len(m_splits)
+    raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
+
+
 def check_same_device(reference_name: str, reference: torch.Tensor, **others) -> None:
     for name, tensor in others.items():
         if tensor is not None and tensor.device != reference.device:
@@ -78,6 +101,9 @@ def check_weights(weights: Sequence[torch.Tensor]) -> tuple[int, int, int]:
         raise TypeError(f"weights[0] must be a torch.Tensor, got {type(first).__name__}")
     if len(weights) == 1 and first.dim() == 3:
         check_tensor("weights[0]", first, dim=3)
+        if first.shape[0] == 0:
+            raise ValueError(f"weights[0] must hold at least one expert ([E, N, K] with E >= 1), got shape "
+                             f"{tuple(first.shape)}")
         return first.shape[0], first.shape[1], first.shape[2]
     for i, weight in enumerate(weights):
         check_tensor(f"weights[{i}]", weight, dim=2)

@@ -167,3 +167,71 @@ def test_debug_checks_accept_a_moe_layer_that_drops_tokens(backend):
         assert moe(torch.randn(12, 8)).shape == (12, 8)
     finally:
         moe_grouped.set_debug_checks(False)
+
+
+# Gaps the fuzz suite found (issue 23): each raised from internals, or was accepted.
+FP8_BAD = [
+    (dict(fp8_dtype=torch.float16), TypeError, "fp8_dtype"),
+    (dict(fp8_dtype=torch.int8), TypeError, "fp8_dtype"),
+    (dict(pow2_scales="yes"), TypeError, "pow2_scales"),
+    (dict(amax_epsilon=-1.0), ValueError, "amax_epsilon"),
+    (dict(amax_epsilon=float("nan")), ValueError, "amax_epsilon"),
+]
+
+
+@pytest.mark.parametrize("bad,error,message", FP8_BAD)
+def test_fp8_quantizers_check_their_options(bad, error, message):
+    from moe_grouped import fp8
+
+    options = dict(fp8_dtype=torch.float8_e4m3fn, pow2_scales=True, amax_epsilon=0.0)
+    options.update(bad)
+    args = (options["fp8_dtype"], options["pow2_scales"], options["amax_epsilon"])
+    x = torch.randn(4, 8)
+    for call in (
+        lambda: fp8.quantize_rowwise(x, *args),
+        lambda: fp8.quantize_grouped(x, [1, 3], *args),
+        lambda: fp8.quantize_columnwise_grouped(x, [4, 0], *args),
+        lambda: fp8.quantize_weights_128x128(torch.randn(2, 3, 8), *args),
+        lambda: fp8.quantize_1x128(x, *args),
+        lambda: fp8.quantize_grouped_columnwise(x, [0, 0, 4], *args),
+    ):
+        with pytest.raises(error, match=message):
+            call()
+
+
+def test_fp8_quantizers_check_splits_and_weights():
+    from moe_grouped import fp8
+
+    with pytest.raises(TypeError, match="m_splits must be a tensor or a list"):
+        fp8.quantize_grouped(torch.randn(4, 8), 3, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="sum to the number of rows 4"):
+        fp8.quantize_grouped(torch.randn(4, 8), torch.tensor([1, 2]), torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="at least one expert"):
+        fp8.quantize_weights_128x128(torch.randn(0, 3, 8), torch.float8_e4m3fn)
+
+
+def test_ops_check_out_dtype_num_groups_and_offsets_arguments():
+    weights = [torch.randn(2, 3, 4)]
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.grouped_fprop(torch.randn(4, 4), weights, [2, 2], out_dtype=torch.int32, backend="reference")
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.grouped_dgrad(torch.randn(4, 3), weights, [2, 2], out_dtype="float", backend="reference")
+    with pytest.raises(TypeError, match="out_dtype"):
+        ops.grouped_dbias(torch.randn(4, 3), [2, 2], out_dtype=torch.int64, backend="reference")
+    with pytest.raises(ValueError, match="num_groups"):
+        ops.grouped_dbias(torch.randn(4, 3), [2, 2], num_groups=-1, backend="reference")
+    with pytest.raises(ValueError, match="num_groups"):
+        ops.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [], num_groups=0, backend="reference")
+    with pytest.raises(TypeError, match="accumulate"):
+        ops.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [2, 2], out=[torch.zeros(2, 3, 2)], accumulate=1)
+    with pytest.raises(ValueError, match="m_splits must be 1-D"):
+        ops.grouped_dbias(torch.randn(4, 3), torch.tensor(4), backend="reference")
+    with pytest.raises(ValueError, match="m_splits must be 1-D"):
+        ops.splits_to_offsets(torch.tensor(4), 4)
+    with pytest.raises(TypeError, match="m_splits must be a tensor or a list"):
+        ops.splits_to_offsets(5, 5)
+    for total_rows in (-3, 3.0, True):
+        with pytest.raises(ValueError, match="total_rows"):
+            ops.splits_to_offsets([1, 2], total_rows)
+    with pytest.raises(ValueError, match="at least one expert"):
+        ops.grouped_fprop(torch.randn(0, 4), [torch.randn(0, 3, 4)], [], backend="reference")

@@ -29,16 +29,15 @@ from .quantize_reference import (
     quantize_1x128,
     quantize_grouped_128x128,
     quantize_grouped_1x128,
+    check_quantize_options,
 )
 from .recipe import BLOCK
 
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _config(fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> _core.QuantizeConfig:
-    if fp8_dtype not in _FP8_DTYPES:
-        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     return _core.QuantizeConfig(_core.dtype_code(fp8_dtype), int(bool(pow2_scales)), float(amax_epsilon))
 
 
@@ -161,13 +160,16 @@ def quantize_grouped(
     rows, cols = x.shape
     if isinstance(m_splits, torch.Tensor):
         num_groups = m_splits.shape[0] if m_splits.dim() == 1 else -1
-    else:
+    elif isinstance(m_splits, (list, tuple)):
         num_groups = len(m_splits)
+    else:
+        raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
     if num_groups < 1:
         raise ValueError(f"m_splits must be 1-D with one count per expert, got {m_splits!r}")
     if not x.is_cuda:
-        # Read on the host here, so validated like host splits.
-        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device, backend="reference").tolist()
+        # Read on the host here, so validated like host splits: they must cover every row.
+        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device).tolist()
+        _checks._check_split_values(counts, rows)
         return quantize_grouped_1x128(x, counts, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, dbias=dbias)
     name = "mg_quantize_rowwise_columnwise_grouped_1x128" if rowwise else "mg_quantize_columnwise_grouped_1x128"
     function = _core_function(x, name)

@@ -12,6 +12,7 @@ starts new blocks.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
@@ -19,6 +20,22 @@ import torch
 from .recipe import BLOCK
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def check_quantize_options(fp8_dtype: object, pow2_scales: object, amax_epsilon: object) -> None:
+    """TypeError/ValueError naming the quantizer option that is wrong (shared by every quantizer)."""
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales must be True or False, got {pow2_scales!r}")
+    if (
+        not isinstance(amax_epsilon, (int, float))
+        or isinstance(amax_epsilon, bool)
+        or not math.isfinite(amax_epsilon)
+        or amax_epsilon < 0
+    ):
+        raise ValueError(f"amax_epsilon must be a finite number >= 0, got {amax_epsilon!r}")
 
 
 class BlockQuantized(NamedTuple):
@@ -57,6 +74,7 @@ class WeightQuantized(NamedTuple):
 
 def compute_scale(amax: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> torch.Tensor:
     """float32 scales from float32 block amaxes (see the module docstring)."""
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     amax = amax.float().clamp(min=amax_epsilon)
     fp8_max = torch.finfo(fp8_dtype).max
     scale = torch.full_like(amax, fp8_max) / amax
@@ -156,6 +174,7 @@ def quantize_grouped_columnwise(
     each group's own padding, up to p_e + round_up(m_e, 16), and leave the
     positions no group owns untouched. ``splits`` must sum to M.
     """
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     counts = _as_list(splits)
     rows, cols = x.shape
     if sum(counts) != rows:
@@ -238,6 +257,7 @@ def quantize_grouped_1x128(
 ) -> GroupedQuantized:
     """The reference of one grouped quantize pass: row-wise 1x128 (optional),
     the grouped column-wise layout and the fused dbias (optional)."""
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     return GroupedQuantized(
         quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon) if rowwise else None,
         quantize_grouped_columnwise(x, splits, fp8_dtype, pow2_scales, amax_epsilon),
@@ -255,6 +275,7 @@ def quantize_grouped_128x128(
 ) -> WeightQuantized:
     """Grouped weights ([E, N, K], or E tensors [N, K]) in 128x128 blocks, and
     with ``transpose`` the transposed copy the dgrad GEMM reads."""
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     experts = list(weights.unbind(0)) if isinstance(weights, torch.Tensor) else list(weights)
     if len(experts) == 1 and experts[0].dim() == 3:
         experts = list(experts[0].unbind(0))

@@ -62,6 +62,7 @@ def grouped_fprop(
 
     Differentiable in ``x``, ``weights`` and ``bias``.
     """
+    _checks.check_out_dtype(out_dtype)
     num_groups, n, k, splits, name = _prepare("x", x, weights, m_splits, backend)
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} features but the weights expect in_features={k}")
@@ -87,6 +88,7 @@ def grouped_dgrad(
     backend: Optional[str] = None,
 ) -> torch.Tensor:
     """``dx[M, K]``: each expert's rows of ``dy[M, N]`` times its ``W_e``."""
+    _checks.check_out_dtype(out_dtype)
     _, n, _, splits, name = _prepare("dy", dy, weights, m_splits, backend)
     if dy.shape[1] != n:
         raise ValueError(f"dy has {dy.shape[1]} features but the weights have out_features={n}")
@@ -115,6 +117,11 @@ def grouped_wgrad(
     _checks.check_tensor("dy", dy, dim=2)
     _checks.check_tensor("x", x, dim=2)
     _checks.check_same_device("dy", dy, x=x)
+    _checks.check_out_dtype(out_dtype)
+    if num_groups is not None:
+        _checks.check_num_groups(num_groups)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be True or False, got {accumulate!r}")
     if dy.shape[0] != x.shape[0] or dy.dtype != x.dtype:
         raise ValueError(
             f"dy and x must have the same rows and dtype, got dy {tuple(dy.shape)} {dy.dtype} "
@@ -152,10 +159,10 @@ def grouped_dbias(
 ) -> torch.Tensor:
     """``[E, N]`` per-expert column sums of ``dy[M, N]`` (zeros for empty experts)."""
     _checks.check_tensor("dy", dy, dim=2)
+    _checks.check_out_dtype(out_dtype)
     if num_groups is None:
-        if not isinstance(m_splits, (torch.Tensor, list, tuple)):
-            raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
-        num_groups = len(m_splits)
+        num_groups = _checks.groups_of_splits(m_splits)
+    _checks.check_num_groups(num_groups)
     name = backends.resolve(backend, dy.device)
     splits = _checks.normalize_splits(m_splits, num_groups, dy.shape[0], dy.device, backend=name)
     check_backend_dtype(name, dy.dtype)
@@ -171,10 +178,12 @@ def splits_to_offsets(
     past ``total_rows``), so the result is safe to index with even when
     ``m_splits`` is wrong; it is exact when ``m_splits`` is valid.
     """
+    if not isinstance(total_rows, int) or isinstance(total_rows, bool) or total_rows < 0:
+        raise ValueError(f"total_rows must be a non-negative int, got {total_rows!r}")
+    num_groups = _checks.groups_of_splits(m_splits)
     if device is None:
         device = m_splits.device if isinstance(m_splits, torch.Tensor) else torch.device("cpu")
     device = torch.device(device)
-    num_groups = len(m_splits) if not isinstance(m_splits, torch.Tensor) else m_splits.shape[0]
     if num_groups == 0:
         raise ValueError("m_splits must hold at least one expert's count")
     name = backends.resolve(backend, device)
