@@ -17,6 +17,19 @@ from .common import end_offsets, expert_matrix, is_grouped_layout, offsets_with_
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _check_row_bytes(dtype: torch.dtype, **features: int) -> None:
+    """torch._grouped_mm needs 16-byte row strides; say which feature count breaks that."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    bad = {name: value for name, value in features.items() if (value * size) % 16}
+    if bad:
+        listed = ", ".join(f"{name}={value}" for name, value in bad.items())
+        raise ValueError(
+            f"backend 'torch' (torch._grouped_mm) needs rows of a multiple of 16 bytes: {listed} "
+            f"{dtype} elements is not; use feature counts that are multiples of {16 // size}, or "
+            "backend='reference'"
+        )
+
+
 def _offs(m_splits: torch.Tensor, total_rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if dtype == torch.float32 and m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
         # torch._grouped_mm's float32 path copies the offsets to the host.
@@ -42,6 +55,9 @@ def fprop(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     w = stacked(weights)
+    _check_row_bytes(x.dtype, out_features=w.shape[1], in_features=w.shape[2])
+    if x.shape[0] == 0:  # torch._grouped_mm refuses an empty operand; the row count is static
+        return x.new_zeros(0, w.shape[1], dtype=out_dtype)
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0], x.dtype))
     if bias is not None:
         y = y + bias.index_select(0, _group_of_rows(m_splits, x.shape[0], x.device))
@@ -51,6 +67,9 @@ def fprop(
 def dgrad(
     dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
+    _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=stacked(weights).shape[2])
+    if dy.shape[0] == 0:  # torch._grouped_mm refuses an empty operand
+        return dy.new_zeros(0, stacked(weights).shape[2], dtype=out_dtype)
     dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0], dy.dtype))
     return dx.to(out_dtype)
 
@@ -62,7 +81,11 @@ def wgrad(
     out: Sequence[torch.Tensor],
     accumulate: bool,
 ) -> None:
-    grads = torch._grouped_mm(dy.t(), x, offs=_offs(m_splits, dy.shape[0], dy.dtype))
+    _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=x.shape[1])
+    if dy.shape[0] == 0:  # no rows: every expert's gradient is zero (torch._grouped_mm refuses them)
+        grads = dy.new_zeros(m_splits.shape[0], dy.shape[1], x.shape[1])
+    else:
+        grads = torch._grouped_mm(dy.t(), x, offs=_offs(m_splits, dy.shape[0], dy.dtype))
     # An expert with no tokens has a zero gradient; do not rely on the kernel
     # writing it (the reduction over its rows is empty).
     empty = (m_splits <= 0).view(-1, 1, 1)
