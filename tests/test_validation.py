@@ -235,3 +235,19 @@ def test_ops_check_out_dtype_num_groups_and_offsets_arguments():
             ops.splits_to_offsets([1, 2], total_rows)
     with pytest.raises(ValueError, match="at least one expert"):
         ops.grouped_fprop(torch.randn(0, 4), [torch.randn(0, 3, 4)], [], backend="reference")
+
+
+def test_torch_backend_takes_zero_rows():
+    # torch._grouped_mm refuses an empty operand; the row count is static, so the backend returns early.
+    weights = [torch.randn(3, 8, 16)]
+    assert ops.grouped_fprop(torch.randn(0, 16), weights, [0, 0, 0], backend="torch").shape == (0, 8)
+    assert ops.grouped_dgrad(torch.randn(0, 8), weights, [0, 0, 0], backend="torch").shape == (0, 16)
+    (dw,) = ops.grouped_wgrad(torch.randn(0, 8), torch.randn(0, 16), [0, 0, 0], num_groups=3, backend="torch")
+    assert torch.equal(dw, torch.zeros(3, 8, 16))
+
+
+def test_torch_backend_names_features_whose_rows_are_not_16_bytes():
+    with pytest.raises(ValueError, match="in_features=3"):
+        ops.grouped_fprop(torch.randn(2, 3), [torch.randn(2, 8, 3)], [1, 1], backend="torch")
+    with pytest.raises(ValueError, match="out_features=5"):
+        ops.grouped_dgrad(torch.randn(2, 5), [torch.randn(2, 5, 8)], [1, 1], backend="torch")
