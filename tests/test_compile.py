@@ -190,6 +190,25 @@ def test_grouped_linear_delay_wgrad_compute_is_refused_under_compile():
         torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(sum(SPLITS), K), torch.tensor(SPLITS))
 
 
+@pytest.mark.parametrize("autocast_inside", [True, False], ids=["autocast-inside", "autocast-outside"])
+def test_fp8_grouped_linear_is_refused_under_compile(autocast_inside):
+    layer = GroupedLinear(E, 128, 128, dtype=torch.bfloat16, backend="reference")
+
+    def fp8_forward(x, m_splits):
+        with moe_grouped.fp8.fp8_autocast():
+            return layer(x, m_splits)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fp8_forward if autocast_inside else layer, fullgraph=True, backend="eager")
+    x = torch.randn(sum(SPLITS), 128, dtype=torch.bfloat16)
+    with pytest.raises(Exception, match="fp8_autocast cannot run under torch.compile"):
+        if autocast_inside:
+            compiled(x, torch.tensor(SPLITS))
+        else:
+            with moe_grouped.fp8.fp8_autocast():
+                compiled(x, torch.tensor(SPLITS))
+
+
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grouped_mlp(backend, compiler):
