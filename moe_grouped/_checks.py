@@ -150,7 +150,12 @@ def normalize_splits(
             f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}"
         )
     _check_split_values(counts, total_rows)
-    if torch.cuda.is_available() and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if (
+        not torch.compiler.is_compiling()  # a host query Dynamo cannot trace; a compiled graph is captured whole
+        and device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    ):
         raise RuntimeError(
             "m_splits given as host data while a CUDA graph is being captured: copying it to the "
             "device cannot be captured. Pass m_splits as a device tensor (a static input of the graph)"
@@ -185,7 +190,8 @@ def _check_split_values(counts: Sequence[int], total_rows: int, *, exact: bool =
 def _check_split_values_on_device(m_splits: torch.Tensor, total_rows: int) -> None:
     counts = m_splits.to(torch.int64)  # an int32 sum could wrap
     valid = (counts >= 0).all() & (counts.sum() <= total_rows)
-    if m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
+    # A compiled graph cannot read the values on the host either: assert on the device.
+    if torch.compiler.is_compiling() or (m_splits.is_cuda and torch.cuda.is_current_stream_capturing()):
         torch._assert_async(valid, "moe_grouped debug check: m_splits negative or summing past the rows")
         return
     if not bool(valid):

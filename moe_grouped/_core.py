@@ -284,6 +284,9 @@ def _load() -> tuple[Optional[ctypes.CDLL], str]:
 
 lib, unavailable_reason = _load()
 library_path: Optional[str] = _library_path() if lib is not None else None
+# Read once: fixed for the loaded library, and a ctypes call cannot be traced
+# by torch.compile (backend resolution consults it inside compiled code).
+_capabilities: int = lib.mg_capabilities() if lib is not None else 0
 
 
 def available() -> bool:
@@ -291,7 +294,7 @@ def available() -> bool:
 
 
 def capabilities() -> int:
-    return lib.mg_capabilities() if lib is not None else 0
+    return _capabilities
 
 
 def has(capability: int) -> bool:

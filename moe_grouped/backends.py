@@ -29,6 +29,10 @@ def check_name(backend: Optional[str]) -> Optional[str]:
     return backend
 
 
+# A constant for the process (the core loaded at import, the GPU's
+# architecture): torch.compile evaluates it once while tracing instead of
+# tracing the device queries.
+@torch.compiler.assume_constant_result
 def core_kernels_unavailable_reason(device: torch.device, capability: int, kernels: str) -> Optional[str]:
     """Why the core's ``kernels`` (the family behind ``capability``, a
     ``_core.CAP_*`` bit) cannot run on ``device``, or None if they can."""

@@ -34,14 +34,30 @@ class _Spec:
     fuse_wgrad_accumulation: bool
     delay_wgrad_compute: bool
 
+    @property
+    def num_params(self) -> int:
+        """Weights, then as many biases (one [E, N] for one [E, N, K] weight, else one per expert)."""
+        return self.num_weights * (2 if self.has_bias else 1)
+
 
 class _GroupedLinearFunction(torch.autograd.Function):
+    """``tensors``: the parameters, then (fused accumulation) the weights' ``main_grad``s.
+
+    The ``main_grad`` buffers come in as inputs rather than being looked up on
+    the parameters in backward, so torch.compile traces the accumulation as a
+    mutation of a graph input.
+    """
+
     @staticmethod
-    def forward(ctx, x, m_splits, spec: _Spec, delayed: collections.deque, *params):
+    def forward(ctx, x, m_splits, spec: _Spec, delayed: collections.deque, *tensors):
+        params, main_grads = tensors[: spec.num_params], tensors[spec.num_params :]
         weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
         bias = _stack_biases(biases) if spec.has_bias else None
         y = torch.ops.moe_grouped.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend)
         ctx.save_for_backward(x, m_splits, *params)
+        # Not saved tensors: other micro-batches accumulate into them before
+        # this backward runs, which the saved-tensor version check would refuse.
+        ctx.main_grads = main_grads
         ctx.spec = spec
         ctx.delayed = delayed
         return y
@@ -50,20 +66,21 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, m_splits, *params = ctx.saved_tensors
         spec: _Spec = ctx.spec
+        main_grads = ctx.main_grads
         weights, biases = params[: spec.num_weights], params[spec.num_weights :]
         dy = dy.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
             dx = torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend)
         param_grads = [None] * len(params)
-        if any(ctx.needs_input_grad[4:]):
+        if any(ctx.needs_input_grad[4 : 4 + spec.num_params]):
             if spec.delay_wgrad_compute:
                 ctx.delayed.append(
-                    ([*weights, *biases], lambda: _param_grads(spec, dy, x, m_splits, weights, biases))
+                    ([*weights, *biases], lambda: _param_grads(spec, dy, x, m_splits, weights, biases, main_grads))
                 )
             else:
-                param_grads = _param_grads(spec, dy, x, m_splits, weights, biases)
-        return (dx, None, None, None, *param_grads)
+                param_grads = _param_grads(spec, dy, x, m_splits, weights, biases, main_grads)
+        return (dx, None, None, None, *param_grads, *([None] * len(main_grads)))
 
 
 def _stack_biases(biases) -> torch.Tensor:
@@ -98,17 +115,15 @@ def _grouped_wgrad_into_fresh(dy, x, m_splits, weights, backend: str) -> list[to
     return [grads] if w.dim() == 3 else list(grads.unbind(0))
 
 
-def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases) -> list[Optional[torch.Tensor]]:
+def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases, main_grads) -> list[Optional[torch.Tensor]]:
     """Weight and bias gradients, in parameter order.
 
-    With fused accumulation the weight gradients go into ``main_grad`` and
-    autograd gets None for them (``grad_added_to_main_grad`` is set, as
-    Megatron expects).
+    With fused accumulation the weight gradients go into ``main_grads`` and
+    autograd gets None for them (the forward set ``grad_added_to_main_grad``,
+    as Megatron expects).
     """
     if spec.fuse_wgrad_accumulation:
-        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, _main_grads(weights), True, spec.backend)
-        for weight in weights:
-            weight.grad_added_to_main_grad = True
+        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, list(main_grads), True, spec.backend)
         weight_grads = [None] * len(weights)
     else:
         weight_grads = _grouped_wgrad_into_fresh(dy, x, m_splits, weights, spec.backend)
@@ -250,6 +265,12 @@ class GroupedLinear(nn.Module):
         backend = backends.resolve(self.backend, x.device)
         splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device, backend=backend)
         recipe = get_fp8_recipe()
+        if recipe is not None and torch.compiler.is_compiling():
+            # The FP8 path quantizes through ctypes calls and host-side weight caching outside custom ops.
+            raise NotImplementedError(
+                "GroupedLinear inside moe_grouped.fp8.fp8_autocast cannot run under torch.compile yet; run the "
+                "FP8 layers eagerly or captured with moe_grouped.graphs, or compile outside fp8_autocast"
+            )
         if recipe is None:
             check_backend_dtype(backend, x.dtype)
         else:
@@ -270,7 +291,20 @@ class GroupedLinear(nn.Module):
             return fp8_linear.Fp8GroupedLinearFunction.apply(
                 x, splits, spec, recipe, self._delayed, grads_for, cached, *params
             )
-        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params)
+        if self.delay_wgrad_compute and torch.compiler.is_compiling():
+            # backward_dw() runs work that backward queued on the module, which a
+            # compiled graph cannot hold; refuse rather than drop the gradients.
+            raise NotImplementedError(
+                "GroupedLinear(delay_wgrad_compute=True) cannot run under torch.compile: the deferred weight "
+                "gradients are Python closures kept for backward_dw(). Compile a layer built with "
+                "delay_wgrad_compute=False, or run this one eagerly (or captured with moe_grouped.graphs)"
+            )
+        main_grads = []
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            main_grads = _main_grads(weights)
+            for weight in weights:
+                weight.grad_added_to_main_grad = True
+        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params, *main_grads)
 
     def backward_dw(self) -> None:
         """Computes the parameter gradients that backward deferred.

@@ -7,24 +7,23 @@ and torch.compile.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Optional
 
 import torch
 
 from ..graphs import nvtx
+from . import cuda_backend, reference, torch_backend
 
-_MODULES: dict[str, ModuleType] = {}
+# All imported up front (cuda_backend imports without the core and calls it
+# only when an op runs): an import inside a compiled region breaks the graph.
+_MODULES: dict[str, ModuleType] = {"reference": reference, "torch": torch_backend, "cuda": cuda_backend}
 
 
 def backend_module(name: str) -> ModuleType:
     """The module implementing the permutation ops for backend ``name``."""
     if name not in _MODULES:
-        if name not in ("reference", "torch", "cuda"):
-            raise ValueError(f"unknown backend {name!r}")
-        module = {"reference": "reference", "torch": "torch_backend", "cuda": "cuda_backend"}[name]
-        _MODULES[name] = importlib.import_module(f"{__package__}.{module}")
+        raise ValueError(f"unknown backend {name!r}")
     return _MODULES[name]
 
 

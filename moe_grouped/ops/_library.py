@@ -7,7 +7,6 @@ implementations give shapes to meta tensors, FakeTensor and torch.compile.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Optional
 
@@ -15,19 +14,18 @@ import torch
 
 from .. import _core
 from ..graphs import nvtx
-from . import reference_backend, torch_backend
+from . import cuda_backend, reference_backend, torch_backend
 from .common import num_groups_of, offsets_with_zero
 
-_MODULES = {"reference": reference_backend, "torch": torch_backend}
+# All imported up front (cuda_backend imports without the core and calls it
+# only when an op runs): an import inside a compiled region breaks the graph.
+_MODULES = {"reference": reference_backend, "torch": torch_backend, "cuda": cuda_backend}
 
 
 def backend_module(name: str) -> ModuleType:
     """The module implementing ``fprop``/``dgrad``/``wgrad``/``dbias`` for ``name``."""
     if name not in _MODULES:
-        if name != "cuda":
-            raise ValueError(f"unknown backend {name!r}")
-        # Imported on first use: it needs the built core.
-        _MODULES[name] = importlib.import_module(f"{__package__}.cuda_backend")
+        raise ValueError(f"unknown backend {name!r}")
     return _MODULES[name]
 
 
