@@ -146,7 +146,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         dg, wh = g, dh_u
         del g, dh_u
         fc2_needed = any(needs[7 + plan.num_fc1_weights :])
-        w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda: wh, m_splits, w2)
+        w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
         del dy_u, wh
         dx = None
         if needs[0]:
