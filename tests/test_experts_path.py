@@ -13,7 +13,7 @@ from moe_grouped import GroupedMLP, MoELayer
 from moe_grouped.activation import swiglu_weighted_backward, weighted_backward_unavailable_reason
 from moe_grouped.permute import permute, permute_index, unpermute
 
-from cases import SPLIT_PATTERNS, TOLERANCE, assert_close_to, calc_diff, make_splits
+from cases import SPLIT_PATTERNS, assert_close_to, calc_diff, make_splits
 
 # Capacity variants: (capacity_factor, drop_policy, pad_to_capacity).
 DROPPING = {
@@ -204,6 +204,10 @@ def require_fused_cuda():
         pytest.skip(reason)
 
 
+# One unit in the last place of each dtype (a last-bit fp32 difference may round either way).
+GATE_RTOL = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 1e-5}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("rows, ffn, splits", [(1, 8, None), (7, 3, None), (300, 96, [100, 0, 57]),
@@ -223,7 +227,7 @@ def test_gpu_weighted_swiglu_backward_equals_the_composed_ops(dtype, rows, ffn, 
         # Same roundings; the gate's gradient may differ in the last fp32 bit before rounding (contraction).
         assert torch.equal(wh, ewh), case
         assert torch.equal(dg[:, ffn:], edg[:, ffn:]), case
-        torch.testing.assert_close(dg[:, :ffn], edg[:, :ffn], rtol=TOLERANCE[dtype] ** 0.5 / 4, atol=1e-5, msg=case)
+        torch.testing.assert_close(dg[:, :ffn], edg[:, :ffn], rtol=GATE_RTOL[dtype], atol=1e-5, msg=case)
         torch.testing.assert_close(dprob, edprob, rtol=1e-4, atol=1e-4 * ffn ** 0.5, msg=case)
         # In place, and the same bits on a second run (deterministic).
         g2, dh2, dprob2 = g.clone(), dh_u.clone(), torch.empty_like(dprob)
