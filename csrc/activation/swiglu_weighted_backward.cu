@@ -165,7 +165,6 @@ mg_status check_args(mg_dtype dtype, int64_t rows, int64_t ffn, mg_dtype splits_
   return MG_OK;
 }
 
-template <int V>
 unsigned grid_for(int64_t rows) {
   const int64_t blocks = (rows + kRowsPerBlock - 1) / kRowsPerBlock;
   return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
@@ -194,7 +193,7 @@ extern "C" mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g
       constexpr int V = decltype(vector)::value;
       using SplitT = decltype(split);
       swiglu_weighted_backward_kernel<T, V, SplitT>
-          <<<grid_for<V>(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          <<<grid_for(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
               static_cast<const T*>(dh_u), static_cast<const T*>(g), weights,
               static_cast<const SplitT*>(m_splits), num_groups, rows, ffn, static_cast<T*>(dg),
               static_cast<T*>(wh), dprob);
