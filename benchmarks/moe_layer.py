@@ -29,6 +29,23 @@ gradients and activations and keep the script under ~2 minutes):
                8 groups / 4 chosen, selection bias): DeepSeek-V3's MoE; about 25 GB
                of bf16 weights and gradients
 
+Experts-path shapes (issue 19; ``--shapes experts_path`` runs only these,
+with a top-k-then-softmax router, no aux loss, and writes
+results/moe_layer_experts_path-<gpu>.json): each row's ``shape`` is the name,
+T, H, ffn, E, top-k:
+  qwen3_30b_16k   16384, 2048,   768, 128, 8    olmoe_16k      16384, 2048, 1024, 64, 8
+  h4096_e128_32k  32768, 4096,  1024, 128, 8    dsv2_lite_16k  16384, 2048, 1408, 64, 6
+  mixtral_8k       8192, 4096, 14336,   8, 2
+backends cuda_fused / cuda_unfused (MoELayer(backend="cuda",
+experts_path="fused" / "unfused"), eager) and their ``_graphed`` replays,
+torch (unfused) and torch_graphed. On every shape ``cuda`` without a suffix
+is the layer's default experts path (fused on Hopper with the core's
+weighted SwiGLU backward). Each fwd_bwd row has ``peak_mib``: eager rows,
+torch.cuda.max_memory_allocated minus the allocated bytes at the start of one
+step (after reset_peak_memory_stats; parameters and inputs excluded,
+gradients and kept activations included); graphed rows, the same over the
+warm-up steps and the capture (what the graph's pool must hold).
+
 op ``permute``: ``moe_grouped.permute`` + ``unpermute`` (routing weights),
 forward and backward, bf16, random distinct top-k experts per token, for the
 cuda and torch permutation backends, captured in a CUDA graph and replayed
@@ -45,10 +62,13 @@ kernels) and torch (composed ops) backends. ``gbps``: (read h, write y, read
 dy and h, write dh) = 8 * T * top_k * ffn * 2 bytes.
 
     python benchmarks/moe_layer.py     # table + results/moe_layer-<gpu>.json
+    python benchmarks/moe_layer.py --shapes experts_path   # the five issue-19 shapes only
+    python benchmarks/moe_layer.py --shapes qwen3_30b_16k,mixtral_8k   # any shape names
 """
 
 from __future__ import annotations
 
+import argparse
 import gc
 import pathlib
 import sys
@@ -69,7 +89,7 @@ from grouped_gemm import warm_up_clocks  # noqa: E402
 from moe_grouped import MoELayer, graphs, permute, unpermute  # noqa: E402
 from moe_grouped.permute import cuda_unavailable_reason as permute_cuda_unavailable_reason  # noqa: E402
 from moe_grouped.activation import cuda_unavailable_reason as swiglu_cuda_unavailable_reason  # noqa: E402
-from moe_grouped.activation import swiglu  # noqa: E402
+from moe_grouped.activation import swiglu, weighted_backward_unavailable_reason  # noqa: E402
 from moe_grouped.moe_layer import _AttachAuxLoss  # noqa: E402
 
 
@@ -84,9 +104,14 @@ class Shape:
     router: dict = field(default_factory=dict)
     aux_loss_coeff: float = 1e-2
     repeats: int = 20
+    named: bool = False  # rows carry the bare name (the experts-path shapes)
+    tflops_bar: float = 0.0  # issue 19's bar for the best of eager and graphed, if any
+    memory_bar: bool = False  # issue 19's fused peak <= 0.8x unfused applies
 
     @property
     def label(self) -> str:
+        if self.named:
+            return self.name
         return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
 
     def flops(self) -> float:
@@ -101,6 +126,20 @@ SHAPES = [
           dict(score_function="sigmoid", normalize_topk=True, scaling_factor=2.5, expert_bias=True,
                n_group=8, topk_group=4), aux_loss_coeff=0.0, repeats=20),
 ]
+TOPK_THEN_SOFTMAX = dict(score_function="softmax", topk_before_softmax=True)
+# Issue 19's shapes (SonicMoE comparison): T, H, ffn, E, top-k; top-k-then-softmax routing.
+EXPERTS_PATH_SHAPES = [
+    Shape(name, hidden, ffn, experts, top_k, tokens, TOPK_THEN_SOFTMAX, aux_loss_coeff=0.0, repeats=repeats,
+          named=True, tflops_bar=bar, memory_bar=fine_grained)
+    for name, tokens, hidden, ffn, experts, top_k, repeats, bar, fine_grained in (
+        ("qwen3_30b_16k", 16384, 2048, 768, 128, 8, 10, 530, True),
+        ("olmoe_16k", 16384, 2048, 1024, 64, 8, 10, 580, True),
+        ("h4096_e128_32k", 32768, 4096, 1024, 128, 8, 5, 620, True),
+        ("dsv2_lite_16k", 16384, 2048, 1408, 64, 6, 10, 580, True),
+        ("mixtral_8k", 8192, 4096, 14336, 8, 2, 5, 620, False),
+    )
+]
+EXPERTS_PATH_BACKENDS = ["cuda_fused", "cuda_unfused", "torch"]
 DEEPSEEK_LIKE = ("dsv2_lite", "dsv3")
 NUM_INPUTS = 4  # distinct (x, dout) pairs the steps cycle through: new routing every step
 LOOP_LIMIT_S = 2.0  # skip the loop backend for a shape whose first step takes longer
@@ -109,11 +148,13 @@ DTYPE = torch.bfloat16
 
 
 def make_layer(shape: Shape, backend: str, single_grouped_weight: bool = True) -> MoELayer:
+    """``backend`` is a row's backend name: ``cuda_fused`` / ``cuda_unfused`` pick the experts path."""
     torch.manual_seed(0)
+    name, _, path = backend.partition("_")
     return MoELayer(
         shape.hidden, shape.ffn, shape.experts, shape.top_k, router_options=shape.router,
         aux_loss_coeff=shape.aux_loss_coeff, single_grouped_weight=single_grouped_weight, dtype=DTYPE,
-        device="cuda", backend=backend,
+        device="cuda", backend=name, experts_path=path or None,
     )
 
 
@@ -168,7 +209,13 @@ class Steps:
             p.grad = None
         free_memory()
         x, dout = self.inputs[0]
-        static = graphs.capture_step(self.fwd_bwd, x.detach().clone().requires_grad_(True), dout.clone())
+        x, dout = x.detach().clone().requires_grad_(True), dout.clone()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        static = graphs.capture_step(self.fwd_bwd, x, dout)
+        torch.cuda.synchronize()
+        self.capture_peak_mib = (torch.cuda.max_memory_allocated() - start) / (1 << 20)
 
         def replay() -> None:
             x, dout = self.inputs[self.index % NUM_INPUTS]
@@ -176,6 +223,16 @@ class Steps:
             static(x, dout)  # copies the new inputs into the graph's buffers, replays
 
         return static, replay
+
+
+def peak_mib(step) -> float:
+    """MiB allocated at the peak of one ``step`` beyond what was allocated before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - start) / (1 << 20)
 
 
 def wall_ms(step, steps: int = WALL_STEPS) -> float:
@@ -193,33 +250,38 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def bench_layer(shape: Shape, backends: list[str], flush: L2Flush) -> list[dict]:
+def bench_layer(shape: Shape, backends: list[str], flush: L2Flush, loop: bool = True) -> list[dict]:
     rows = []
     inputs = make_inputs(shape)
 
-    def record(backend, step):
+    def record(backend, step, peak=None):
         ms = time_ms(step, warmup=3, repeats=shape.repeats, flush=flush)
         wall = wall_ms(step)
         rows.append({"bench": "moe_layer", "op": "fwd_bwd", "shape": shape.label, "splits": "router",
                      "backend": backend, "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1),
                      "wall_ms": round(wall, 4)})
-        print(f"  {backend:<14} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  (back to back {wall:8.3f} ms/step)",
-              flush=True)
+        if peak is not None:
+            rows[-1]["peak_mib"] = round(peak, 1)
+        memory = f"  peak {peak:9.1f} MiB" if peak is not None else ""
+        print(f"  {backend:<20} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  "
+              f"(back to back {wall:8.3f} ms/step){memory}", flush=True)
 
     for backend in backends:
         bench_grouped(shape, backend, inputs, record)
         free_memory()
-    bench_loop(shape, inputs, record)
-    free_memory()
+    if loop:
+        bench_loop(shape, inputs, record)
+        free_memory()
     return rows
 
 
 def bench_grouped(shape: Shape, backend: str, inputs, record) -> None:
     """``backend`` eagerly, then the same layer captured and replayed."""
     steps = Steps(make_layer(shape, backend), inputs)
-    record(backend, steps.eager)
+    steps.eager()  # first-call setup (workspaces, gradients' first allocation) outside the measured step
+    record(backend, steps.eager, peak_mib(steps.eager))
     _, replay = steps.capture()
-    record(f"{backend}_graphed", replay)
+    record(f"{backend}_graphed", replay, steps.capture_peak_mib)
 
 
 def bench_loop(shape: Shape, inputs, record) -> None:
@@ -284,10 +346,10 @@ def bench_swiglu(shape: Shape, backends: list[str], flush: L2Flush) -> list[dict
 
 def summarize(rows: list[dict]) -> None:
     """The table and the ratios the project's bars are about."""
-    print(f"\n{'op':<8} {'shape':<40} {'backend':<14} {'ms':>9} {'wall_ms':>9} {'TFLOP/s|GB/s':>13}")
+    print(f"\n{'op':<8} {'shape':<40} {'backend':<20} {'ms':>9} {'wall_ms':>9} {'TFLOP/s|GB/s':>13}")
     for r in rows:
         metric = r.get("tflops", r.get("gbps"))
-        print(f"{r['op']:<8} {r['shape']:<40} {r['backend']:<14} {r['ms']:>9.3f} "
+        print(f"{r['op']:<8} {r['shape']:<40} {r['backend']:<20} {r['ms']:>9.3f} "
               f"{r.get('wall_ms', float('nan')):>9.3f} {metric:>13.1f}")
     ms = {(r["op"], r["shape"], r["backend"]): r for r in rows}
     print("\nratios (speed-up = slower ms / faster ms; bars in brackets)")
@@ -313,13 +375,54 @@ def summarize(rows: list[dict]) -> None:
             print(f"  swiglu fwd+bwd            {r['shape']:<26} {r['backend']:<6} {r['gbps']:8.1f} GB/s")
 
 
+def summarize_experts_path(rows: list[dict], shapes: list[Shape]) -> None:
+    """Fused vs unfused per shape: time, TFLOP/s against issue 19's bars, peak memory."""
+    by_key = {(r["shape"], r["backend"]): r for r in rows if r["op"] == "fwd_bwd"}
+    print("\nexperts path: fused vs unfused (best of eager and graphed; bars in brackets)")
+    for shape in shapes:
+        got = {b: by_key.get((shape.label, b)) for b in
+               ("cuda_fused", "cuda_fused_graphed", "cuda_unfused", "cuda_unfused_graphed")}
+        if any(r is None for r in got.values()):
+            continue
+        fused = min(got["cuda_fused"]["ms"], got["cuda_fused_graphed"]["ms"])
+        unfused = min(got["cuda_unfused"]["ms"], got["cuda_unfused_graphed"]["ms"])
+        tflops = shape.flops() / fused / 1e9
+        memory = got["cuda_fused"]["peak_mib"] / got["cuda_unfused"]["peak_mib"]
+        memory_bar = " [<= 0.80x]" if shape.memory_bar else ""
+        print(f"  {shape.label:<16} fused {fused:8.3f} ms {tflops:6.1f} TFLOP/s [>= {shape.tflops_bar:.0f}]  "
+              f"unfused {unfused:8.3f} ms: {unfused / fused:5.2f}x  peak fused/unfused {memory:5.2f}x{memory_bar}")
+
+
+def select_shapes(spec: str) -> tuple[list[Shape], str]:
+    """``--shapes``: "all", "experts_path" or comma-separated names; and the results file's bench name."""
+    if spec == "all":
+        return SHAPES + EXPERTS_PATH_SHAPES, "moe_layer"
+    if spec == "experts_path":
+        return EXPERTS_PATH_SHAPES, "moe_layer_experts_path"
+    names = [n for n in spec.split(",") if n]
+    known = {s.name for s in SHAPES + EXPERTS_PATH_SHAPES}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SystemExit(f"--shapes: unknown shape names {unknown}; known: all, experts_path, {sorted(known)}")
+    return [s for s in SHAPES + EXPERTS_PATH_SHAPES if s.name in names], "moe_layer_subset"
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="all",
+                        help='"all" (default), "experts_path" (issue 19\'s five shapes) or comma-separated names')
+    shapes, bench_name = select_shapes(parser.parse_args().shapes)
     start = time.perf_counter()
     backends = ["cuda", "torch"]
     reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
     if reason is not None:
         print(f"skipping the cuda backend: {reason}")
         backends.remove("cuda")
+    fused_reason = reason or weighted_backward_unavailable_reason(torch.device("cuda"))
+    experts_path_backends = [b for b in EXPERTS_PATH_BACKENDS if b == "torch" or reason is None]
+    if fused_reason is not None and reason is None:
+        print(f"skipping cuda_fused: {fused_reason}")
+        experts_path_backends.remove("cuda_fused")
     permute_backends = [b for b in ("cuda", "torch")
                         if b != "cuda" or permute_cuda_unavailable_reason(torch.device("cuda")) is None]
     swiglu_backends = [b for b in ("cuda", "torch")
@@ -329,14 +432,19 @@ def main() -> None:
     flush = L2Flush()
     warm_up_clocks()
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)
+        if shape in EXPERTS_PATH_SHAPES:
+            rows += bench_layer(shape, experts_path_backends, flush, loop=False)
+            free_memory()
+            continue
         rows += bench_layer(shape, backends, flush)
         rows += bench_permute(shape, permute_backends, flush)
         rows += bench_swiglu(shape, swiglu_backends, flush)
         free_memory()
     summarize(rows)
-    path = write_results("moe_layer", rows)
+    summarize_experts_path(rows, shapes)
+    path = write_results(bench_name, rows)
     print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
 
 

@@ -16,7 +16,7 @@ from .activation import swiglu
 from .grouped_linear import GroupedLinear
 from .mlp import GroupedMLP, SwiGLUMLP
 from .moe_layer import MoELayer
-from .permute import permute, unpermute
+from .permute import permute, permute_index, unpermute
 from .router import Router, RoutingOutput
 from .ops import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
 
@@ -30,6 +30,7 @@ __all__ = [
     "Router",
     "RoutingOutput",
     "permute",
+    "permute_index",
     "unpermute",
     "swiglu",
     "grouped_fprop",

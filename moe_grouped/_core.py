@@ -235,6 +235,11 @@ _PROTOTYPES = {
     # SwiGLU: present only when the core was built with csrc/activation.
     "mg_swiglu_forward": (ctypes.c_int, [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
     "mg_swiglu_backward": (ctypes.c_int, [_vp, _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
+    "mg_swiglu_weighted_backward": (
+        ctypes.c_int,
+        [_vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp,
+         _vp, _vp],
+    ),
 }
 _REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")
 

@@ -276,13 +276,7 @@ class GroupedLinear(nn.Module):
         else:
             # Never fall back to bf16 silently inside an FP8 region.
             fp8_linear.check_supported(backend, x, self.out_features, self.in_features)
-        spec = _Spec(
-            backend=backend,
-            num_weights=len(weights),
-            has_bias=self.use_bias,
-            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
-            delay_wgrad_compute=self.delay_wgrad_compute,
-        )
+        spec = self._spec(backend)
         biases = self.biases()
         params = (*weights, *biases)
         if recipe is not None:
@@ -305,6 +299,16 @@ class GroupedLinear(nn.Module):
             for weight in weights:
                 weight.grad_added_to_main_grad = True
         return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params, *main_grads)
+
+    def _spec(self, backend: str) -> _Spec:
+        """What an autograd function running this layer on ``backend`` needs to know of it."""
+        return _Spec(
+            backend=backend,
+            num_weights=len(self.weights()),
+            has_bias=self.use_bias,
+            fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
+            delay_wgrad_compute=self.delay_wgrad_compute,
+        )
 
     def backward_dw(self) -> None:
         """Computes the parameter gradients that backward deferred.

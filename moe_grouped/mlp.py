@@ -13,9 +13,15 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks
-from .activation import swiglu
+from . import _checks, backends
+from .activation import resolve_weighted_backward_backend, swiglu, weighted_backward_unavailable_reason
+from .experts import FusedExpertsFunction, Plan, check_experts_path
+from .fp8 import get_fp8_recipe
 from .grouped_linear import GroupedLinear
+from .ops import check_backend_dtype
+
+# Element types the fused path is chosen for by default (experts_path=None).
+FUSED_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class GroupedMLP(nn.Module):
@@ -31,6 +37,15 @@ class GroupedMLP(nn.Module):
     ``single_grouped_weight``, ``fuse_wgrad_accumulation``,
     ``delay_wgrad_compute``, ``dtype``, ``device`` and ``backend`` are passed
     to both (see :class:`GroupedLinear`).
+
+    ``experts_path``: ``"unfused"`` runs fc1, SwiGLU and fc2 as three
+    autograd ops (each keeps its input for backward); ``"fused"`` runs them as
+    one op that keeps x and fc1's output but not the SwiGLU output (see
+    :mod:`moe_grouped.experts`; in :class:`MoELayer` it also fuses the
+    dispatch and the weighted combine). None (default): fused where it is the
+    faster choice, i.e. with the ``cuda`` backend in bfloat16/float16 on a
+    core with the weighted SwiGLU backward; unfused otherwise. Never fused
+    (``"fused"`` raises): with ``bias=True`` or inside FP8 autocast.
     """
 
     def __init__(
@@ -46,8 +61,10 @@ class GroupedMLP(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device=None,
         backend: Optional[str] = None,
+        experts_path: Optional[str] = None,
     ):
         super().__init__()
+        self.experts_path = check_experts_path(experts_path)
         options = dict(
             bias=bias,
             single_grouped_weight=single_grouped_weight,
@@ -65,8 +82,86 @@ class GroupedMLP(nn.Module):
         self, x: torch.Tensor, m_splits: _checks.SplitsLike, is_first_microbatch: Optional[bool] = None
     ) -> torch.Tensor:
         """``is_first_microbatch``: see :meth:`GroupedLinear.forward` (FP8 weight reuse)."""
+        if self.uses_fused_path(x):
+            _checks.check_tensor("x", x, dim=2)
+            if x.shape[1] != self.hidden:
+                raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
+            splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
+            return self._fused(x, None, None, splits, self._plan(x, routed=False))
         hidden = self.fc1(x, m_splits, is_first_microbatch)
         return self.fc2(swiglu(hidden, backend=self.fc1.backend), m_splits, is_first_microbatch)
+
+    def fused_path_unavailable_reason(self, x: torch.Tensor) -> Optional[str]:
+        """Why the fused path cannot run on input like ``x``, or None if it can."""
+        if get_fp8_recipe() is not None:
+            return "inside FP8 autocast (the fused path has no FP8 kernels yet)"
+        if self.fc1.use_bias:
+            return "the layers have biases (bias=True)"
+        return None
+
+    def uses_fused_path(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` on input like ``x`` takes the fused path (see ``experts_path``)."""
+        if self.experts_path == "unfused":
+            return False
+        reason = self.fused_path_unavailable_reason(x)
+        if self.experts_path == "fused":
+            if reason is not None:
+                raise ValueError(f"experts_path='fused' cannot run {reason}; use experts_path=None or 'unfused'")
+            return True
+        return (
+            reason is None
+            and backends.resolve(self.fc1.backend, x.device) == "cuda"
+            and x.dtype in FUSED_DEFAULT_DTYPES
+            and weighted_backward_unavailable_reason(x.device) is None
+        )
+
+    def forward_routed(
+        self,
+        tokens: torch.Tensor,
+        probs: torch.Tensor,
+        row_id_map: torch.Tensor,
+        m_splits: torch.Tensor,
+        num_rows: int,
+        *,
+        zero_unmapped: bool,
+        permute_backend: str,
+    ) -> torch.Tensor:
+        """The fused path with dispatch and combine: ``unpermute(self(permute(tokens)), probs)``.
+
+        ``row_id_map``, ``m_splits`` and ``num_rows`` are
+        :func:`moe_grouped.permute_index`'s; ``zero_unmapped``: the buffer has
+        rows no copy maps to (a capacity was given); ``permute_backend`` runs
+        the gathers and the combine. Returns [T, hidden]; differentiable in
+        ``tokens``, ``probs`` and the weights. The caller checks
+        :meth:`uses_fused_path` first.
+        """
+        plan = self._plan(tokens, routed=True, top_k=probs.shape[1], num_rows=num_rows,
+                          zero_unmapped=zero_unmapped, permute_backend=permute_backend)
+        return self._fused(tokens, probs, row_id_map, m_splits, plan)
+
+    def _plan(self, x: torch.Tensor, *, routed: bool, permute_backend: str = "", **static) -> Plan:
+        gemm = backends.resolve(self.fc1.backend, x.device)
+        check_backend_dtype(gemm, x.dtype)
+        return Plan(
+            gemm_backend=gemm,
+            permute_backend=permute_backend,
+            activation_backend=resolve_weighted_backward_backend(gemm, x.device),
+            fc1=self.fc1._spec(gemm),
+            fc2=self.fc2._spec(gemm),
+            num_fc1_weights=len(self.fc1.weights()),
+            routed=routed,
+            **static,
+        )
+
+    def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan) -> torch.Tensor:
+        weight = self.fc1.weights()[0]
+        if tokens.dtype != weight.dtype:
+            raise TypeError(f"x has dtype {tokens.dtype} but the layer's parameters are {weight.dtype}")
+        _checks.check_same_device("the layer's parameters", weight, x=tokens)
+        return FusedExpertsFunction.apply(
+            tokens, probs, row_id_map, m_splits, plan, self.fc1._delayed, self.fc2._delayed,
+            *self.fc1.weights(), *self.fc2.weights(),
+        )
 
     def backward_dw(self) -> None:
         """The deferred weight gradients of both layers (``delay_wgrad_compute=True``)."""

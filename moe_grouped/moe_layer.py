@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .mlp import GroupedMLP, SwiGLUMLP
-from .permute import check_drop_options, permute, unpermute
+from .permute import check_drop_options, permute, permute_index, resolve_backend, unpermute
 from .router import Router, RoutingOutput
 
 
@@ -70,6 +70,12 @@ class MoELayer(nn.Module):
         delay_wgrad_compute, dtype, device: passed to :class:`GroupedMLP`.
         backend: for the expert GEMMs and the permutation: ``"cuda"``,
             ``"torch"``, ``"reference"`` or None (each op's default).
+        experts_path: ``"unfused"``: permute, :class:`GroupedMLP` and the
+            weighted unpermute as separate autograd ops; ``"fused"``: one op
+            (:mod:`moe_grouped.experts`) that keeps only the tokens, fc1's
+            output and the routing weights for backward; None (default): fused
+            where :attr:`GroupedMLP.experts_path` None would fuse (the ``cuda``
+            backend in bfloat16/float16, no biases, no FP8 autocast).
     """
 
     def __init__(
@@ -93,6 +99,7 @@ class MoELayer(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device=None,
         backend: Optional[str] = None,
+        experts_path: Optional[str] = None,
     ):
         super().__init__()
         for name, value in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
@@ -108,7 +115,7 @@ class MoELayer(nn.Module):
         self.experts = GroupedMLP(
             num_experts, hidden, ffn_hidden, bias=bias, single_grouped_weight=single_grouped_weight,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, delay_wgrad_compute=delay_wgrad_compute,
-            dtype=dtype, device=device, backend=backend,
+            dtype=dtype, device=device, backend=backend, experts_path=experts_path,
         )
         self.shared_expert = (
             SwiGLUMLP(hidden, shared_expert_ffn_hidden, dtype=dtype, device=device)
@@ -130,13 +137,20 @@ class MoELayer(nn.Module):
             )
         tokens = x.reshape(-1, self.hidden).contiguous()
         routing = self.router(tokens)
-        permuted, m_splits, row_id_map = permute(
-            tokens, routing.experts, self.num_experts, probs=routing.weights.detach(),
-            capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+        drop_options = dict(
+            probs=routing.weights.detach(), capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
             pad_to_capacity=self.pad_to_capacity, backend=self.backend,
         )
-        expert_out = self.experts(permuted, m_splits, is_first_microbatch)
-        out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
+        if self.experts.uses_fused_path(tokens):
+            row_id_map, m_splits, rows = permute_index(tokens, routing.experts, self.num_experts, **drop_options)
+            out = self.experts.forward_routed(
+                tokens, routing.weights, row_id_map, m_splits, rows, zero_unmapped=self.capacity_factor is not None,
+                permute_backend=resolve_backend(self.backend, tokens.device),
+            )
+        else:
+            permuted, m_splits, row_id_map = permute(tokens, routing.experts, self.num_experts, **drop_options)
+            expert_out = self.experts(permuted, m_splits, is_first_microbatch)
+            out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
@@ -156,5 +170,5 @@ class MoELayer(nn.Module):
         )
         return (
             f"aux_loss_coeff={self.aux_loss_coeff}, z_loss_coeff={self.z_loss_coeff}{capacity}, "
-            f"backend={self.backend}"
+            f"backend={self.backend}, experts_path={self.experts.experts_path}"
         )

@@ -160,6 +160,8 @@ def permute(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sorts the token copies by expert, optionally dropping those past each expert's capacity.
 
+    :func:`permute_index` followed by the gather of the rows.
+
     Args:
         tokens: [T, H] float tensor.
         experts: [T, top_k] int32/int64 expert indices in [0, num_experts)
@@ -190,6 +192,36 @@ def permute(
         fewer than R: the rows past them belong to no expert).
         ``row_id_map`` [T * top_k] int64, the row of copy ``t * top_k + j``
         in ``permuted``, -1 if it was dropped (pass it to :func:`unpermute`).
+    """
+    row_id_map, m_splits, rows = permute_index(
+        tokens, experts, num_experts, probs=probs, capacity_factor=capacity_factor, drop_policy=drop_policy,
+        pad_to_capacity=pad_to_capacity, backend=backend,
+    )
+    name = resolve_backend(backend, tokens.device)
+    # Dropless, row_id_map is a permutation: every row gets a copy, none needs zeroing.
+    permuted = torch.ops.moe_grouped.permute_rows(
+        tokens, row_id_map, experts.shape[1], rows, capacity_factor is not None, name
+    )
+    return permuted, m_splits, row_id_map
+
+
+def permute_index(
+    tokens: torch.Tensor,
+    experts: torch.Tensor,
+    num_experts: int,
+    *,
+    probs: Optional[torch.Tensor] = None,
+    capacity_factor: Optional[float] = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+    backend: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`permute`'s routing index without moving any row (e.g. for the fused experts path).
+
+    Takes :func:`permute`'s arguments (``tokens`` only for its shape, dtype
+    and device) and returns ``(row_id_map, m_splits, rows)``: the first two
+    as :func:`permute` returns them, ``rows`` the static row count of its
+    buffer (:func:`permuted_rows`).
     """
     _checks.check_tensor("tokens", tokens, dim=2)
     if not isinstance(experts, torch.Tensor):
@@ -235,10 +267,7 @@ def permute(
     row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
         experts, priority, num_experts, -1 if capacity is None else capacity, bool(pad_to_capacity), name
     )
-    rows = permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
-    # Dropless, row_id_map is a permutation: every row gets a copy, none needs zeroing.
-    permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, top_k, rows, capacity is not None, name)
-    return permuted, m_splits, row_id_map
+    return row_id_map, m_splits, permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
 
 
 def unpermute(
@@ -305,6 +334,7 @@ def unpermute(
 
 __all__ = [
     "permute",
+    "permute_index",
     "unpermute",
     "expert_capacity",
     "permuted_rows",

@@ -364,6 +364,23 @@ MG_API mg_status mg_swiglu_forward(const void* h, mg_dtype dtype, int64_t rows, 
                                    void* y, void* stream);
 MG_API mg_status mg_swiglu_backward(const void* dy, const void* h, mg_dtype dtype, int64_t rows,
                                     int64_t ffn, void* dh, void* stream);
+/* The weighted SwiGLU backward of the fused MoE experts path, one pass over
+ * the permuted rows. Per row r (weights[r] = w, fp32; NULL: w = 1) from
+ * dh_u [rows, ffn] (fc2's dgrad of the unweighted output gradient) and
+ * g [rows, 2 * ffn] (fc1's output [gate | up]), with h = silu(gate) * up:
+ *   dg [rows, 2 * ffn] = SwiGLU backward of dh = w * dh_u
+ *   wh [rows, ffn]     = w * h                      (fc2's wgrad operand)
+ *   dprob [rows] fp32  = sum of dh_u * h, fp32       (the weight's gradient;
+ *                        may be NULL)
+ * rounded like mg_swiglu_backward with dy = dtype(w * dh_u). dg may equal g
+ * and wh may equal dh_u (in place). m_splits (int32 or int64, num_groups
+ * entries, on the device; may be NULL for all rows): rows at or past their
+ * clamped sum get dg = 0, wh = 0, dprob = 0. Deterministic.               */
+MG_API mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g, const float* weights,
+                                             const void* m_splits, mg_dtype splits_dtype,
+                                             int num_groups, mg_dtype dtype, int64_t rows,
+                                             int64_t ffn, void* dg, void* wh, float* dprob,
+                                             void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

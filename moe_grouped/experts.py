@@ -1,0 +1,166 @@
+"""The fused experts path: dispatch, SwiGLU experts and weighted combine as one autograd op.
+
+The unfused path (``permute`` -> ``GroupedMLP`` -> ``unpermute``) keeps, for
+backward, the permuted tokens xp [R, H], fc1's output g [R, 2I], h [R, I]
+and the expert output y [R, H] (for the routing weights' gradient). This one
+keeps the tokens x [T, H] (the router keeps them anyway), g and the routing
+weights, and recomputes the rest in backward from these identities (per
+copy of token t at row r with weight w, dout the layer's output gradient,
+dy_u = dout_t gathered unweighted):
+
+- ``out_t = sum_r w * y_r`` with ``y = h W2^T``, so
+  ``d w = <dout_t, y_r> = <dy_u W2, h> = <dh_u, h>``: no y needed;
+- ``dh = w * dh_u``, ``dg = swiglu_backward(dh, g)``, and
+  ``dW2 = dy_u^T (w * h)``: one pass (:func:`moe_grouped.activation.swiglu_weighted_backward`)
+  gives dg, w * h and d w from dh_u and g, in place of g and dh_u;
+- ``dW1 = xp^T dg`` with xp gathered again from x; ``dx`` sums
+  ``dg W1^T`` over each token's copies.
+
+Graph-safe like the unfused path (device ``m_splits`` and ``row_id_map``
+only) and deterministic. Without routing (``GroupedMLP`` on permuted input)
+the same op keeps x and g but not h.
+
+Not supported here (the unfused path handles them): biases, FP8 autocast,
+and a second backward through the same graph (``retain_graph=True``):
+backward turns the kept g into dg in place, and autograd's version check
+then refuses the second backward.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .activation import swiglu
+from .grouped_linear import _param_grads, _Spec
+
+EXPERTS_PATHS = (None, "fused", "unfused")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the fused op needs besides tensors: backends, layer specs and static sizes."""
+
+    gemm_backend: str
+    permute_backend: str
+    activation_backend: str
+    fc1: _Spec
+    fc2: _Spec
+    num_fc1_weights: int
+    # Routed (MoELayer): tokens [T, H] in, combined [T, H] out. Else (GroupedMLP):
+    # permuted rows in and out, and the fields below are unused.
+    routed: bool
+    top_k: int = 1
+    num_rows: int = 0  # R, rows of the permuted buffer (static)
+    zero_unmapped: bool = False  # rows no copy maps to exist (capacity): zero them
+
+
+def check_experts_path(experts_path) -> Optional[str]:
+    if experts_path not in EXPERTS_PATHS:
+        raise ValueError(f"experts_path must be one of {EXPERTS_PATHS}, got {experts_path!r}")
+    return experts_path
+
+
+def _gather(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each copy's token row at its permuted row ([R, H]); the input itself when not routed."""
+    if not plan.routed:
+        return tokens
+    return torch.ops.moe_grouped.permute_rows(
+        tokens, row_id_map, plan.top_k, plan.num_rows, plan.zero_unmapped, plan.permute_backend
+    )
+
+
+def _permuted_weights(plan: Plan, probs: torch.Tensor, row_id_map: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[R] routing weight of each permuted row (0 for rows no copy maps to).
+
+    The permute kernel moves each copy's weight as a one-column row (top_k 1:
+    copy i is "token" i), so this is deterministic on every backend.
+    """
+    flat = probs.detach().reshape(-1, 1).to(dtype)
+    return torch.ops.moe_grouped.permute_rows(flat, row_id_map, 1, plan.num_rows, True, plan.permute_backend).view(-1)
+
+
+def _copy_values(plan: Plan, per_row: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
+    """[T * top_k]: the value of each copy's row, 0 for dropped copies (the inverse of _permuted_weights)."""
+    return torch.ops.moe_grouped.unpermute_rows(
+        per_row.view(-1, 1), row_id_map, None, 1, plan.permute_backend
+    ).view(-1)
+
+
+def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_fn, m_splits, weights) -> list:
+    """Weight gradients in parameter order (None where deferred or fused into main_grad).
+
+    ``x_fn`` gives the wgrad's x operand; with ``delay_wgrad_compute`` it runs
+    at ``backward_dw()`` time, so a re-gathered operand is not held until then.
+    """
+    if not needed:
+        return [None] * len(weights)
+    if spec.delay_wgrad_compute:
+        delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [])))
+        return [None] * len(weights)
+    return _param_grads(spec, dy, x_fn(), m_splits, weights, [])
+
+
+class FusedExpertsFunction(torch.autograd.Function):
+    """``apply(tokens, probs, row_id_map, m_splits, plan, fc1_delayed, fc2_delayed, *fc1_weights, *fc2_weights)``.
+
+    Routed: tokens [T, H], probs [T, top_k] (differentiable), row_id_map
+    [T * top_k] from the permute index; returns the combined [T, H]. Not
+    routed: tokens are the permuted rows, probs and row_id_map None; returns
+    the experts' outputs [R, H].
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, fc1_delayed, fc2_delayed, *weights):
+        w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
+        dtype, gemm = tokens.dtype, plan.gemm_backend
+        xp = _gather(plan, tokens, row_id_map)
+        g = torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
+        del xp
+        h = swiglu(g, backend=plan.activation_backend)
+        y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
+        del h
+        if plan.routed:
+            y = torch.ops.moe_grouped.unpermute_rows(y, row_id_map, probs, plan.top_k, plan.permute_backend)
+        ctx.save_for_backward(tokens, probs, row_id_map, m_splits, g, *weights)
+        ctx.plan, ctx.fc1_delayed, ctx.fc2_delayed = plan, fc1_delayed, fc2_delayed
+        return y
+
+    @staticmethod
+    def backward(ctx, dout):
+        tokens, probs, row_id_map, m_splits, g, *weights = ctx.saved_tensors
+        plan: Plan = ctx.plan
+        w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
+        dtype, gemm = tokens.dtype, plan.gemm_backend
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        needs = ctx.needs_input_grad
+        dy_u = _gather(plan, dout.to(dtype).contiguous(), row_id_map)
+        dh_u = torch.ops.moe_grouped.grouped_dgrad(dy_u, w2, m_splits, dtype, gemm)
+        w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
+        dprob = g.new_empty(g.shape[0], dtype=acc)
+        # In place: g becomes dg, dh_u becomes w * h (fc2's wgrad operand).
+        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, w, m_splits, dprob, plan.activation_backend)
+        dg, wh = g, dh_u
+        del g, dh_u
+        fc2_needed = any(needs[7 + plan.num_fc1_weights :])
+        w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
+        del dy_u, wh
+        dx = None
+        if needs[0]:
+            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm)
+            dx = (
+                torch.ops.moe_grouped.unpermute_rows(dxp, row_id_map, None, plan.top_k, plan.permute_backend)
+                if plan.routed else dxp
+            )
+            del dxp
+        fc1_needed = any(needs[7 : 7 + plan.num_fc1_weights])
+        w1_grads = _weight_grads(
+            plan.fc1, ctx.fc1_delayed, fc1_needed, dg, lambda: _gather(plan, tokens, row_id_map), m_splits, w1
+        )
+        dprobs = None
+        if plan.routed and needs[1]:
+            dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
+        return (dx, dprobs, None, None, None, None, None, *w1_grads, *w2_grads)
