@@ -297,15 +297,15 @@ class ExpertParallelMoELayer(nn.Module):
         backend = resolve_backend(self.backend, tokens.device)
         _check_dtype(backend, tokens.dtype)
         num_tokens, top_k = routing.experts.shape
-        expert_capacity = -1
+        per_expert = -1
         priority = None
         if self.capacity_factor is not None:
-            expert_capacity = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
+            per_expert = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
             if self.drop_policy == "probs":
                 priority = routing.weights.detach().to(torch.float32).contiguous()
         experts = routing.experts.contiguous()
         row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
-            experts, priority, self.num_experts, expert_capacity, False, backend
+            experts, priority, self.num_experts, per_expert, False, backend
         )
         send_map, in_splits, dropped = plan_sends(row_id_map, experts.reshape(-1), m_splits, self.ep_size, self.budget)
         self.overflow_count.add_(dropped)
