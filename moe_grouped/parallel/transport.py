@@ -295,9 +295,9 @@ class SymmMemTransport(Transport):
         return _rows(out, send_rows, in_splits.sum())
 
 
-def resolve_transport(name: str, ep_size: int, device: torch.device) -> str:
-    """The transport ``name`` stands for: ``auto`` is ``local`` for one rank, else
-    ``symm_mem`` on CUDA where NVSHMEM loads, else ``all_to_all``."""
+def resolve_transport(name: str, ep_size: int, device: torch.device, num_local_experts: int = 1) -> str:
+    """The transport ``name`` stands for. ``auto``: ``local`` for one rank; else ``symm_mem``
+    on CUDA where NVSHMEM loads and the group fits its kernels' limits; else ``all_to_all``."""
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
     if name == "local" and ep_size != 1:
@@ -306,7 +306,8 @@ def resolve_transport(name: str, ep_size: int, device: torch.device) -> str:
         return name
     if ep_size == 1:
         return "local"
-    if torch.device(device).type == "cuda":
+    fits = ep_size <= SYMM_MEM_MAX_RANKS and num_local_experts <= SYMM_MEM_MAX_LOCAL_EXPERTS
+    if fits and torch.device(device).type == "cuda":
         import torch.distributed._symmetric_memory as symm_mem
 
         if symm_mem.is_nvshmem_available():
