@@ -273,11 +273,11 @@ class SymmMemTransport(Transport):
         self._check_rows("send", send, self.token_buffer)
         if recv_rows != self.expert_buffer.shape[0]:
             raise ValueError(f"recv_rows must be {self.expert_buffer.shape[0]} (the receive buffer), got {recv_rows}")
-        source = self.token_buffer[: send.shape[0]]
-        source.copy_(send)
+        # Whole buffers go to the collective (never views): peers address them by the same offsets.
+        self.token_buffer[: send.shape[0]].copy_(send)
         self.dispatch_in.copy_(in_splits)
         torch.ops.symm_mem.all_to_all_vdev_2d(
-            source, self.expert_buffer, self.dispatch_in, self.dispatch_out, self.group_name
+            self.token_buffer, self.expert_buffer, self.dispatch_in, self.dispatch_out, self.group_name
         )
         layout = self.dispatch_out.clone()
         return _rows(self.expert_buffer, recv_rows, layout[0].sum()), layout
@@ -288,11 +288,10 @@ class SymmMemTransport(Transport):
             raise ValueError(f"send_rows {send_rows} exceeds the token buffer's {self.token_buffer.shape[0]} rows")
         self.expert_buffer[: y.shape[0]].copy_(y)
         self.combine_in.copy_(layout)
-        out = self.token_buffer[:send_rows]
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(
-            self.expert_buffer, out, self.combine_in, self.combine_out, self.group_name
+            self.expert_buffer, self.token_buffer, self.combine_in, self.combine_out, self.group_name
         )
-        return _rows(out, send_rows, in_splits.sum())
+        return _rows(self.token_buffer, send_rows, in_splits.sum())
 
 
 def resolve_transport(name: str, ep_size: int, device: torch.device, num_local_experts: int = 1) -> str:
