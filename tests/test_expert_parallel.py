@@ -79,17 +79,37 @@ def test_send_plan_keeps_the_first_copies_per_destination_up_to_the_budget(ep_si
 
 
 # ------------------------------------------------------------------ several gloo processes
+def reset_grads(layer) -> None:
+    """Gradients to None; with fused accumulation, zeroed fp32 ``main_grad`` on the expert weights."""
+    layer.zero_grad(set_to_none=True)
+    if layer.experts.fc1.fuse_wgrad_accumulation:
+        for linear in (layer.experts.fc1, layer.experts.fc2):
+            for weight in linear.weights():
+                weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+
+
+def gradient(param):
+    """What backward left for ``param``: ``main_grad`` with fused accumulation, else ``grad``."""
+    return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+
+
+def run_step(layer, x, dout):
+    out = layer(x)
+    out.backward(dout)
+    if layer.experts.fc1.delay_wgrad_compute:
+        layer.backward_dw()
+    return out
+
+
 def reference_run(ref, xs, douts):
     """MoELayer (all experts) on every rank's tokens: per-rank outputs and input grads, summed param grads."""
-    ref.zero_grad(set_to_none=True)
+    reset_grads(ref)
     outs, x_grads = [], []
     for x, dout in zip(xs, douts):
         x = x.clone().requires_grad_(True)
-        out = ref(x)
-        out.backward(dout)
-        outs.append(out.detach())
+        outs.append(run_step(ref, x, dout).detach())
         x_grads.append(x.grad)
-    return outs, x_grads, {n: p.grad for n, p in ref.named_parameters()}
+    return outs, x_grads, {n: gradient(p) for n, p in ref.named_parameters()}
 
 
 def expert_slice(name: str, grad: torch.Tensor, rank: int, ne: int) -> torch.Tensor:
@@ -112,10 +132,9 @@ def check_against_reference(rank, world, dtype, options, tolerance):
     douts = [torch.randn(TOKENS + r, HIDDEN, generator=generator).to(dtype) for r in range(world)]
     ep_x = [None] * world
     for step in range(2):  # twice: the buffers set up on the first forward serve the second
-        ep.zero_grad(set_to_none=True)
+        reset_grads(ep)
         x = xs[rank].clone().requires_grad_(True)
-        out = ep(x)
-        out.backward(douts[rank])
+        out = run_step(ep, x, douts[rank])
         ep_x[rank] = x
     want_outs, want_x_grads, want_grads = reference_run(ref, xs, douts)
     case = f"{rank=} {world=} {dtype=} {options=}"
@@ -135,7 +154,7 @@ def check_against_reference(rank, world, dtype, options, tolerance):
             local_name, want = expert_slice(name, grad, rank, ne)
             if local_name not in ep_params:
                 continue  # another rank's expert (separate weights)
-            got = ep_params[local_name].grad
+            got = gradient(ep_params[local_name])
             got = torch.zeros_like(want) if got is None else got
         else:  # replicated: the data-parallel all-reduce the layer leaves to the caller
             got = ep_params[name].grad.clone()
@@ -210,6 +229,7 @@ CASES = [
     (torch.float32, dict(shared_expert_ffn_hidden=8, aux_loss_coeff=0.01, z_loss_coeff=0.001), 0),
     (torch.float32, dict(capacity_factor=0.75, drop_policy="probs", bias=True, single_grouped_weight=True), 0),
     (torch.float32, dict(capacity_factor=1.0, drop_policy="position"), 0),
+    (torch.float32, dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True, single_grouped_weight=True), 0),
     (torch.bfloat16, dict(shared_expert_ffn_hidden=8), 2e-3),
     "overflow",
     "refusals",
