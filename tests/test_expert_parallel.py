@@ -279,6 +279,27 @@ def test_ep_size_1_local_transport_equals_moe_layer_on_cpu(one_rank_group):
             torch.testing.assert_close(p.grad, want[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {pname}: {m}")
 
 
+def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group):
+    # One rank keeps MoELayer's row order, so the FP8 blocks (and their scales) are the same.
+    torch.manual_seed(3)
+    ref = MoELayer(128, 128, 4, 2, dtype=torch.bfloat16, backend="reference")
+    ep = ExpertParallelMoELayer(128, 128, 4, 2, dtype=torch.bfloat16, backend="reference").load_from(ref)
+    x = torch.randn(32, 128, dtype=torch.bfloat16)
+    dout = torch.randn_like(x)
+    results = []
+    for layer in (ref, ep):
+        xi = x.clone().requires_grad_(True)
+        with moe_grouped.fp8.fp8_autocast(moe_grouped.fp8.Float8BlockScaling()):
+            out = layer(xi)
+        out.backward(dout)
+        results.append([out.detach(), xi.grad, *[p.grad for _, p in sorted(layer.named_parameters())]])
+    with torch.no_grad():
+        plain = ep(x)
+    assert not torch.equal(plain, results[1][0]), "fp8_autocast changed nothing"
+    for i, (a, b) in enumerate(zip(*results)):
+        assert torch.equal(a, b), f"tensor {i} differs"
+
+
 def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="pad_to_capacity is not supported under expert parallelism"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, pad_to_capacity=True)
