@@ -176,6 +176,7 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
         copies = shape.tokens * shape.top_k
         send = torch.ops.moe_grouped.permute_rows(tokens, send_map, shape.top_k, copies, True, permute_backend)
         recv, layout = transport.dispatch(send, in_splits, layer.capacity)
+        transport.combine(recv, layout, in_splits, copies)  # symm_mem needs dispatch, combine alternating
         received = int(layout[0].sum())
     row_bytes = shape.hidden * DTYPE.itemsize
     moved = (int(in_splits.sum()) + received) * row_bytes
@@ -191,8 +192,10 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
     del recv
     free_memory()
 
-    # NCCL with the same bytes, equal splits.
-    per_rank = -(-(moved // 2) // (row_bytes * ep))
+    # NCCL with about the same bytes (the ranks' largest), in equal splits: every rank the same size.
+    largest = torch.tensor(moved, device="cuda")
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    per_rank = -(-(int(largest) // 2) // (row_bytes * ep))
     a = torch.randn(per_rank * ep, shape.hidden, device="cuda", dtype=DTYPE)
     b = torch.empty_like(a)
 
