@@ -175,7 +175,7 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
         send_map, in_splits, _ = plan_sends(row_id_map, experts.reshape(-1), m_splits, ep, layer.budget)
         copies = shape.tokens * shape.top_k
         send = torch.ops.moe_grouped.permute_rows(tokens, send_map, shape.top_k, copies, True, permute_backend)
-        recv, layout = transport.dispatch(send, in_splits, layer.capacity)
+        recv, layout = transport.dispatch(send, in_splits, layer.recv_rows)
         transport.combine(recv, layout, in_splits, copies)  # symm_mem needs dispatch, combine alternating
         received = int(layout[0].sum())
     row_bytes = shape.hidden * DTYPE.itemsize
@@ -183,7 +183,7 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
 
     @torch.no_grad()
     def dispatch_combine():
-        got, got_layout = transport.dispatch(send, in_splits, layer.capacity)
+        got, got_layout = transport.dispatch(send, in_splits, layer.recv_rows)
         transport.combine(got, got_layout, in_splits, copies)
 
     record("dispatch_combine", "eager", dispatch_combine, moved)

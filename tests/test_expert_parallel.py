@@ -13,7 +13,7 @@ import moe_grouped
 from moe_grouped import MoELayer
 from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer, SymmMemTransport
 from moe_grouped.parallel.layer import plan_sends
-from moe_grouped.parallel.transport import SYMM_MEM_MAX_LOCAL_EXPERTS
+from moe_grouped.parallel.transport import SYMM_MEM_MAX_LOCAL_EXPERTS, LocalTransport, _chunk_rows
 
 from cases import calc_diff
 
@@ -300,6 +300,59 @@ def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group):
         assert torch.equal(a, b), f"tensor {i} differs"
 
 
+class GappedLocalTransport(LocalTransport):
+    """One rank with symm_mem's dispatch layout: an expert that receives nothing still gets one row.
+
+    The rows outside the chunks start as NaN, as stale buffer memory might be.
+    """
+
+    def recv_rows(self, capacity):
+        return capacity + self.num_local_experts
+
+    def _targets(self, in_splits):
+        spans = in_splits.clamp(min=1)
+        offsets = spans.cumsum(0) - spans
+        packed = in_splits.cumsum(0) - in_splits
+        expert = torch.repeat_interleave(torch.arange(in_splits.shape[0]), in_splits)
+        rows = torch.arange(expert.shape[0])
+        return offsets[expert] + rows - packed[expert], torch.stack([in_splits, offsets])
+
+    def dispatch(self, send, in_splits, recv_rows):
+        targets, layout = self._targets(in_splits)
+        recv = send.new_full((recv_rows, send.shape[1]), float("nan"))
+        recv[targets] = send[: targets.shape[0]]
+        return _chunk_rows(recv, layout), layout
+
+    def combine(self, y, layout, in_splits, send_rows):
+        targets, _ = self._targets(in_splits)
+        back = y.new_zeros(send_rows, y.shape[1])
+        back[: targets.shape[0]] = y[targets]
+        return back
+
+
+def test_layer_takes_a_dispatch_layout_with_a_row_for_each_empty_expert(one_rank_group):
+    torch.manual_seed(4)
+    ref = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, bias=True, backend="reference")
+    ep = ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, bias=True, backend="reference").load_from(ref)
+    x = torch.randn(3, HIDDEN)  # 6 copies over 8 experts: some receive nothing
+    ep(x)  # sets the layer up; then the transport is swapped for the gapped one
+    ep.transport = GappedLocalTransport(None, 1, EXPERTS)
+    ep.recv_rows = ep.transport.recv_rows(ep.capacity)
+    results = []
+    for layer in (ref, ep):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        out = layer(xi)
+        out.backward(torch.ones_like(out))
+        results.append((out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
+    assert int((ep.last_routing.tokens_per_expert == 0).sum()) > 0, "the test needs an empty expert"
+    (out_ref, dx_ref, grads_ref), (out, dx, grads) = results
+    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)
+    for name, grad in grads_ref.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="pad_to_capacity is not supported under expert parallelism"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, pad_to_capacity=True)
@@ -310,9 +363,9 @@ def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="drop_policy must be one of"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, drop_policy="random")
     with pytest.raises(ValueError, match="symm_mem transport needs at least 2 ranks"):
-        SymmMemTransport(one_rank_group, 1, 4, max_send_rows=8, recv_rows=8, hidden=4, dtype=torch.float32, device="cpu")
+        SymmMemTransport(one_rank_group, 1, 4, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match=f"at most 16 ranks and {SYMM_MEM_MAX_LOCAL_EXPERTS} experts per rank"):
-        SymmMemTransport(one_rank_group, 2, 32, max_send_rows=8, recv_rows=8, hidden=4, dtype=torch.float32, device="cpu")
+        SymmMemTransport(one_rank_group, 2, 32, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
 
 
 def test_layer_needs_an_initialised_process_group():

@@ -17,6 +17,7 @@ from .transport import (
     CombineFunction,
     DispatchFunction,
     Transport,
+    local_expert_splits,
     make_transport,
     resolve_transport,
 )
@@ -194,6 +195,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.transport: Optional[Transport] = None
         self.capacity: Optional[int] = None
+        self.recv_rows: Optional[int] = None
         self.last_routing: Optional[RoutingOutput] = None
 
     # ------------------------------------------------------------------ set-up
@@ -250,11 +252,12 @@ class ExpertParallelMoELayer(nn.Module):
         self.transport = make_transport(
             self.transport_name, self.group, self.ep_size, self.num_local_experts,
             **(
-                dict(max_send_rows=send_rows, recv_rows=self.capacity, hidden=self.hidden,
+                dict(max_send_rows=send_rows, capacity=self.capacity, hidden=self.hidden,
                      dtype=tokens.dtype, device=tokens.device)
                 if self.transport_name == "symm_mem" else {}
             ),
         )
+        self.recv_rows = self.transport.recv_rows(self.capacity)
 
     @property
     def budget(self) -> int:
@@ -312,8 +315,8 @@ class ExpertParallelMoELayer(nn.Module):
         self.overflow_count.add_(dropped)
         copies = num_tokens * top_k
         send = torch.ops.moe_grouped.permute_rows(tokens, send_map, top_k, copies, True, backend)
-        recv, layout = DispatchFunction.apply(send, in_splits, self.transport, self.capacity)
-        local_splits = layout[0].view(self.num_local_experts, self.ep_size).sum(1)
+        recv, layout = DispatchFunction.apply(send, in_splits, self.transport, self.recv_rows)
+        local_splits = local_expert_splits(layout, self.num_local_experts, self.ep_size)
         expert_out = self.experts(recv, local_splits, is_first_microbatch)
         back = CombineFunction.apply(expert_out, layout, in_splits, self.transport, copies)
         out = unpermute(back, send_map, routing.weights, backend=self.backend)

@@ -12,9 +12,13 @@ for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
   — local expert 0's rows from rank 0, then from rank 1, ..., then expert 1's
   — so the rows of each local expert are contiguous and the grouped GEMMs
   take them as they are; rows past the received total are zero. ``layout``
-  [2, ne * ep] int64 (device): row 0 the received counts in that order
-  (``layout[0].view(ne, ep).sum(1)`` are the local experts' ``m_splits``),
-  row 1 their offsets in ``recv``.
+  [2, ne * ep] int64 (device): row 0 the received counts in that order,
+  row 1 their offsets in ``recv``. The chunks are packed except that
+  ``symm_mem`` leaves one row for an expert that receives nothing (torch's
+  kernel never makes an empty bin); such rows are zero.
+  :func:`local_expert_splits` gives the grouped GEMMs' ``m_splits`` (each
+  local expert's span of rows) from the layout; ``recv_rows`` is
+  :meth:`Transport.recv_rows` of the capacity.
 - ``combine(y, layout, in_splits, send_rows)``: the reverse. ``y`` [R, H] in
   ``recv``'s layout; returns [send_rows, H] in ``send``'s layout (each row
   back where it left from), rows past ``in_splits.sum()`` zero.
@@ -43,7 +47,7 @@ Transports:
 
 None of them can write out of bounds: the sender never sends more rows than
 the receiver's buffer has room for (the layer clamps each source's rows per
-destination to ``recv_rows // ep``; see
+destination to ``capacity // ep``; see
 :class:`moe_grouped.parallel.ExpertParallelMoELayer`), and the transports check
 the sizes they can see.
 """
@@ -93,6 +97,31 @@ def _layout(splits_expert_major: torch.Tensor) -> torch.Tensor:
     return torch.stack([splits_expert_major, _exclusive_cumsum(splits_expert_major)])
 
 
+def _chunk_rows(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """``x`` with every row outside the layout's chunks zeroed (new memory), on the device."""
+    rows = x.shape[0]
+    starts = layout[1].clamp(max=rows)
+    ends = (layout[1] + layout[0]).clamp(max=rows)
+    edges = torch.zeros(rows + 1, dtype=torch.int64, device=x.device)
+    edges.index_add_(0, starts, torch.ones_like(starts))
+    edges.index_add_(0, ends, torch.full_like(ends, -1))
+    outside = edges.cumsum(0)[:rows] <= 0  # chunks do not overlap: inside means a count of 1
+    return x.masked_fill(outside.unsqueeze(1), 0)
+
+
+def local_expert_splits(layout: torch.Tensor, num_local_experts: int, ep_size: int) -> torch.Tensor:
+    """[ne] rows of each local expert in a dispatch's output: from its first chunk to the next expert's.
+
+    Equals the received counts per expert for packed layouts; counts the one
+    zero row ``symm_mem`` leaves for an expert that receives nothing.
+    """
+    counts = layout[0].view(num_local_experts, ep_size)
+    offsets = layout[1].view(num_local_experts, ep_size)
+    starts = offsets[:, 0]
+    end = (offsets[-1, -1] + counts[-1, -1]).view(1)
+    return torch.cat([starts[1:], end]) - starts
+
+
 class Transport:
     """Dispatch and combine over ``ep`` ranks of ``num_local_experts`` experts each.
 
@@ -106,6 +135,10 @@ class Transport:
 
     def __init__(self, group: Optional[dist.ProcessGroup], ep_size: int, num_local_experts: int):
         self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
+
+    def recv_rows(self, capacity: int) -> int:
+        """Rows of a dispatch's output for a receive capacity of ``capacity`` token copies."""
+        return capacity
 
     def dispatch(self, send: torch.Tensor, in_splits: torch.Tensor, recv_rows: int):
         raise NotImplementedError
@@ -168,7 +201,7 @@ class AllToAllTransport(Transport):
         if sum(recv_sizes) > recv_rows:
             raise CapacityOverflowError(
                 f"{sum(recv_sizes)} rows arrive but the receive buffer has {recv_rows}; the sender "
-                "must clamp its rows per destination to recv_rows // ep_size"
+                "must clamp its rows per destination to capacity // ep_size"
             )
         got = send.new_empty(sum(recv_sizes), send.shape[1])
         dist.all_to_all_single(
@@ -202,8 +235,11 @@ class SymmMemTransport(Transport):
 
     Allocates its symmetric buffers in the constructor — a collective: every
     rank of ``group`` must construct it, outside CUDA graph capture:
-    ``max_send_rows`` x ``hidden`` and ``recv_rows`` x ``hidden`` rows of
+    ``max_send_rows`` x ``hidden`` and :meth:`recv_rows` x ``hidden`` rows of
     ``dtype`` plus the count/offset tables. Nothing is allocated afterwards.
+    The receive buffer has ``capacity`` rows plus one per local expert, for the
+    row torch's dispatch gives an expert that receives nothing (``major_align``
+    1 still rounds an empty bin up to one row).
     """
 
     name = "symm_mem"
@@ -216,7 +252,7 @@ class SymmMemTransport(Transport):
         num_local_experts: int,
         *,
         max_send_rows: int,
-        recv_rows: int,
+        capacity: int,
         hidden: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -256,11 +292,14 @@ class SymmMemTransport(Transport):
         # from peers' token buffers into the local expert buffer, a combine the reverse, and
         # each starts with a barrier that peers reach only after finishing the previous one.
         self.token_buffer = symmetric(max_send_rows, hidden, dtype=dtype)
-        self.expert_buffer = symmetric(recv_rows, hidden, dtype=dtype)
+        self.expert_buffer = symmetric(self.recv_rows(capacity), hidden, dtype=dtype)
         self.dispatch_in = symmetric(splits, dtype=torch.int64)
         self.dispatch_out = symmetric(2, splits, dtype=torch.int64)
         self.combine_in = symmetric(2, splits, dtype=torch.int64)
         self.combine_out = symmetric(2, splits, dtype=torch.int64)
+
+    def recv_rows(self, capacity: int) -> int:
+        return capacity + self.num_local_experts
 
     def _check_rows(self, what: str, x: torch.Tensor, buffer: torch.Tensor) -> None:
         if x.shape[0] > buffer.shape[0] or x.shape[1] != buffer.shape[1] or x.dtype != buffer.dtype:
@@ -280,7 +319,7 @@ class SymmMemTransport(Transport):
             self.token_buffer, self.expert_buffer, self.dispatch_in, self.dispatch_out, self.group_name
         )
         layout = self.dispatch_out.clone()
-        return _rows(self.expert_buffer, recv_rows, layout[0].sum()), layout
+        return _chunk_rows(self.expert_buffer, layout), layout
 
     def combine(self, y, layout, in_splits, send_rows):
         self._check_rows("y", y, self.expert_buffer)
@@ -369,5 +408,6 @@ __all__ = [
     "DispatchFunction",
     "CombineFunction",
     "resolve_transport",
+    "local_expert_splits",
     "make_transport",
 ]
