@@ -98,7 +98,10 @@ class ExpertParallelMoELayer(nn.Module):
     the worst case, ``ep_size * max_tokens * top_k`` (every copy of every
     rank to one rank), which never drops. Buffers are sized once, on the first
     forward (outside capture), from ``max_tokens`` or that forward's tokens;
-    a later forward with more tokens is refused.
+    a later forward with more tokens is refused. The received rows, and so
+    the experts' activations, are sized by the capacity: the default holds
+    ``ep_size`` times the average load, so a smaller capacity trades memory
+    (and, with ``symm_mem``, symmetric memory per layer) for a risk of drops.
 
     Args:
         hidden, ffn_hidden, num_experts, top_k: as :class:`MoELayer`;
