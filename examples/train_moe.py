@@ -18,6 +18,7 @@ license). Characters are the tokens.
     python examples/train_moe.py --fp8                    # FP8 block-scaled experts (emulated on CPU)
     python examples/train_moe.py --checkpoint lm.pt       # save; run again with --resume to go on
     python examples/train_moe.py --plot loss.png          # loss curve (needs matplotlib)
+    torchrun --nproc-per-node 2 examples/train_moe.py --device cuda --ep 2   # experts over 2 GPUs
 
 On the GPU the model computes in bfloat16 and the optimizer steps fp32 master
 copies of the parameters (``--no-master-weights`` steps the bfloat16
@@ -33,6 +34,13 @@ scales, E4M3). The model then computes in bfloat16 on the CPU too, where the
 ``reference`` backend emulates the FP8 arithmetic exactly (slower than the
 float32 default); on an H100 the ``cuda`` backend runs CUTLASS FP8 kernels.
 
+``--ep N`` (under ``torchrun`` with N processes) spreads each block's experts
+over the N ranks with ``moe_grouped.parallel.ExpertParallelMoELayer``: every
+rank trains on its own batches, the replicated parameters' gradients are
+averaged over the ranks (data parallel) and the experts' are divided by N, so
+the step is that of the mean loss over all ranks. ``--ep 1`` runs the same
+code path on one process (the ``local`` transport). Only rank 0 prints.
+
 Progress uses tqdm when it is installed (``pip install -e ".[examples]"``)
 and plain prints otherwise.
 """
@@ -42,6 +50,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 import time
 
 import torch
@@ -116,6 +125,65 @@ class Block(nn.Module):
         return x + self.moe(self.norm2(x))
 
 
+def moe_layer(args, dtype, device) -> nn.Module:
+    """The feed-forward layer: an MoELayer, or with ``--ep`` one whose experts are spread over the ranks."""
+    options = dict(
+        aux_loss_coeff=1e-2, z_loss_coeff=1e-3, single_grouped_weight=True, dtype=dtype, device=device,
+        backend=args.backend,
+    )
+    if not getattr(args, "ep", None):
+        return moe_grouped.MoELayer(args.dim, args.ffn, args.experts, args.top_k, **options)
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    layer = ExpertParallelMoELayer(args.dim, args.ffn, args.experts, args.top_k, **options)
+    # The same seed made every rank's parameters equal (right for the replicated ones); each
+    # rank's experts are other experts, so they get their own initial values.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(args.seed + 1 + layer.ep_rank)
+        layer.experts.fc1.reset_parameters()
+        layer.experts.fc2.reset_parameters()
+    return layer
+
+
+def setup_expert_parallel(args) -> None:
+    """Joins the torchrun job for ``--ep N``: one process per rank, one GPU each on cuda."""
+    # NVLink multicast (NVLS) stays off in NCCL, torch symmetric memory and NVSHMEM: on the
+    # shared machines this runs on, a program that uses it can put the host's GPUs out of
+    # service for a long time. Set before the process group or any symmetric buffer exists.
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+    os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        raise SystemExit("--ep runs under torchrun, e.g. torchrun --nproc-per-node 2 examples/train_moe.py --ep 2")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if dist.get_world_size() != args.ep:
+        raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, torchrun started {dist.get_world_size()}")
+    if dist.get_rank() != 0:
+        sys.stdout = open(os.devnull, "w")  # one rank reports
+
+
+@torch.no_grad()
+def average_gradients(model) -> None:
+    """With ``--ep``: the gradient of the mean of the ranks' losses (device collectives only).
+
+    Replicated parameters: all-reduce and divide by the ranks. Experts: their
+    gradients already sum every rank's tokens; divide by the ranks.
+    """
+    import torch.distributed as dist
+
+    ranks = dist.get_world_size()
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        if ".moe.experts." not in name:
+            dist.all_reduce(param.grad)
+        param.grad.div_(ranks)
+
+
 class MoELanguageModel(nn.Module):
     def __init__(self, vocab: int, args, dtype, device):
         super().__init__()
@@ -126,16 +194,14 @@ class MoELanguageModel(nn.Module):
             Block(
                 args.dim,
                 args.heads,
-                moe_grouped.MoELayer(
-                    args.dim, args.ffn, args.experts, args.top_k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
-                    single_grouped_weight=True, dtype=dtype, device=device, backend=args.backend,
-                ),
+                moe_layer(args, dtype, device),
                 dtype,
                 device,
             )
             for _ in range(args.layers)
         )
         self.norm = nn.RMSNorm(args.dim, dtype=dtype, device=device)
+        self.expert_parallel = bool(getattr(args, "ep", None))
         nn.init.normal_(self.embed.weight, std=0.02)
         nn.init.normal_(self.pos, std=0.02)
 
@@ -208,6 +274,8 @@ def training_step(model, optimizer, master, x, y) -> torch.Tensor:
     loss = model.loss(x, y)
     model.zero_grad(set_to_none=True)
     loss.backward()
+    if model.expert_parallel:
+        average_gradients(model)
     if master is None:
         optimizer.step()
     else:
@@ -343,7 +411,8 @@ def train(args) -> list[float]:
         f"{', whole step in a CUDA graph' if graphs else ''}; corpus: pydoc_data.topics, "
         f"{len(data.train):,} training characters"
     )
-    gen = torch.Generator().manual_seed(args.seed + first_step)
+    rank = int(os.environ.get("RANK", 0)) if getattr(args, "ep", None) else 0
+    gen = torch.Generator().manual_seed(args.seed + first_step + 7919 * rank)  # each rank its own batches
     graphed_step = None
     tokens_per_step = args.batch * args.seq
     progress = Progress(first_step, args.steps, args.log_every)
@@ -438,6 +507,8 @@ def parse_args(argv=None):
     parser.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     parser.add_argument("--plot", default=None, help="save the loss curve to this PNG (needs matplotlib)")
     parser.add_argument("--sample", type=int, default=120, help="characters to sample at the end (0: none)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="spread the experts over N ranks (expert parallel; launch N processes with torchrun)")
     args = parser.parse_args(argv)
     if args.fp8 and args.backend == "torch":
         parser.error("--fp8 runs on the cuda backend (H100) or the reference backend (emulation), not torch")
@@ -448,6 +519,11 @@ def parse_args(argv=None):
         if args.backend == "reference":
             parser.error(f"{flag} cannot use the reference backend (it reads the routing on the host); "
                          "use --backend torch or cuda, or leave --backend out")
+    if args.ep is not None:
+        if args.ep < 1 or args.experts % args.ep:
+            parser.error(f"--ep {args.ep} must be a positive divisor of --experts {args.experts}")
+        if args.checkpoint or args.resume:
+            parser.error("--checkpoint/--resume are not supported with --ep (each rank holds other experts)")
     if args.dim % args.heads:
         parser.error(f"--dim {args.dim} must be divisible by --heads {args.heads}")
     return args
@@ -455,6 +531,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.ep:
+        setup_expert_parallel(args)
     if args.compare_eager:
         if compare_with_eager(args) > COMPARE_TOLERANCE:
             raise SystemExit(1)

@@ -1,0 +1,266 @@
+"""Expert parallelism: dispatch + combine bandwidth and the EP layer's step time, eager and graphed.
+
+Runs on any number of GPUs of one host, one process each, under torchrun (or
+plain ``python`` for one GPU):
+
+    torchrun --nproc-per-node 1 benchmarks/expert_parallel.py
+    torchrun --nproc-per-node 8 benchmarks/expert_parallel.py
+
+Every rank routes T = 8192 tokens of its own; each holds E / ep experts of
+``moe_grouped.parallel.ExpertParallelMoELayer`` (bf16, the cuda backend where
+the core is built, else torch). The transport is the layer's ``auto``:
+``local`` on one GPU, ``symm_mem`` (NVSHMEM) where the group fits its kernels
+(ep <= 16 ranks, E / ep <= 16 experts per rank), else ``all_to_all`` (host
+splits; eager only).
+
+ops (rows carry ``ep`` and ``transport``):
+  dispatch_combine   the transport's dispatch of one routed step's token copies
+                     and the combine of the received rows back, forward only;
+                     eager and captured in a CUDA graph (capturable transports).
+                     ``gbps``: bytes this GPU sends in both (its T * top_k
+                     copies out, the rows it received back), H * 2 bytes a row,
+                     over the time: per-GPU send bandwidth. On one GPU the
+                     "transport" is a device copy.
+  nccl_all_to_all    ``torch.distributed.all_to_all_single`` there and back of
+                     the same bytes in equal splits: what NCCL does with the
+                     same traffic, balanced and with the splits known.
+  fwd_bwd            the layer's forward + backward on new inputs each step
+                     (so new routing), eager and as a step captured with
+                     ``moe_grouped.graphs.capture_step``; ``wall_ms`` steps
+                     back to back.
+``ms``: median of CUDA-event-timed runs, each after an L2 flush, printed and
+written by rank 0 (every rank runs the same sequence; the collectives pace
+each other).
+
+Shapes (no shared expert, softmax router):
+  qwen3_30b   hidden 2048, ffn 768,  128 experts, top-8 (Qwen3-30B-A3B's MoE)
+  dsv2_lite   hidden 2048, ffn 1408,  64 experts, top-6 (DeepSeek-V2-Lite's MoE)
+
+Rank 0 writes results/expert_parallel-<gpu>.json (one file; rows name ep).
+"""
+
+from __future__ import annotations
+
+import os
+
+# NVLink multicast (NVLS) off in NCCL, torch symmetric memory and NVSHMEM, before any of them
+# starts: on the shared machines this runs on, a program that uses it can put the host's GPUs
+# out of service for a long time.
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+
+import gc  # noqa: E402
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+if not torch.cuda.is_available():
+    raise SystemExit("benchmarks/expert_parallel.py needs CUDA GPUs, and torch sees none; run it on the GPU machine")
+
+import moe_grouped  # noqa: E402
+from common import L2Flush, graphed, time_ms, write_results  # noqa: E402
+from moe_grouped import graphs  # noqa: E402
+from moe_grouped.parallel import ExpertParallelMoELayer  # noqa: E402
+from moe_grouped.parallel.layer import plan_sends  # noqa: E402
+from moe_grouped.permute import resolve_backend  # noqa: E402
+
+DTYPE = torch.bfloat16
+TOKENS = 8192
+NUM_INPUTS = 4  # distinct inputs the steps cycle through: new routing every step
+WALL_STEPS = 10
+
+
+@dataclass
+class Shape:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int = TOKENS
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
+
+
+SHAPES = [
+    Shape("qwen3_30b", 2048, 768, 128, 8),
+    Shape("dsv2_lite", 2048, 1408, 64, 6),
+]
+
+
+def init() -> tuple[int, int]:
+    """The process group: torchrun's, or one rank of this process."""
+    if "RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def say(*args) -> None:
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def make_layer(shape: Shape, backend: str) -> ExpertParallelMoELayer:
+    torch.manual_seed(0)
+    return ExpertParallelMoELayer(
+        shape.hidden, shape.ffn, shape.experts, shape.top_k, router_options=dict(normalize_topk=True),
+        max_tokens=shape.tokens, single_grouped_weight=True, dtype=DTYPE, device="cuda", backend=backend,
+    )
+
+
+def make_inputs(shape: Shape, rank: int):
+    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
+    return [
+        (torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen),
+         torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
+        for _ in range(NUM_INPUTS)
+    ]
+
+
+def wall_ms(step, steps: int = WALL_STEPS) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dict]:
+    rows = []
+    layer = make_layer(shape, backend)
+    inputs = make_inputs(shape, dist.get_rank())
+    layer(inputs[0][0])  # sets up the transport (symmetric buffers: a collective)
+    transport = layer.transport
+    base = {"bench": "expert_parallel", "shape": shape.label, "ep": ep, "transport": layer.transport_name,
+            "backend": backend}
+
+    def record(op, variant, fn, bytes_moved=None):
+        ms = time_ms(fn, warmup=3, repeats=20, flush=flush)
+        row = {**base, "op": op, "variant": variant, "ms": round(ms, 4)}
+        if bytes_moved is not None:
+            row["gbps"] = round(bytes_moved / ms / 1e6, 1)
+        else:
+            row["wall_ms"] = round(wall_ms(fn), 4)
+        rows.append(row)
+        extra = f"{row['gbps']:8.1f} GB/s" if "gbps" in row else f"back to back {row['wall_ms']:8.3f} ms"
+        say(f"  {op:<17} {variant:<8} {ms:9.3f} ms  {extra}")
+
+    # One routed step's send buffer and counts, as the layer builds them.
+    with torch.no_grad():
+        tokens = inputs[0][0]
+        routing = layer.router(tokens)
+        experts = routing.experts.contiguous()
+        permute_backend = resolve_backend(layer.backend, tokens.device)
+        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+            experts, None, shape.experts, -1, False, permute_backend
+        )
+        send_map, in_splits, _ = plan_sends(row_id_map, experts.reshape(-1), m_splits, ep, layer.budget)
+        copies = shape.tokens * shape.top_k
+        send = torch.ops.moe_grouped.permute_rows(tokens, send_map, shape.top_k, copies, True, permute_backend)
+        recv, layout = transport.dispatch(send, in_splits, layer.recv_rows)
+        transport.combine(recv, layout, in_splits, copies)  # symm_mem needs dispatch, combine alternating
+        received = int(layout[0].sum())
+    row_bytes = shape.hidden * DTYPE.itemsize
+    moved = (int(in_splits.sum()) + received) * row_bytes
+
+    @torch.no_grad()
+    def dispatch_combine():
+        got, got_layout = transport.dispatch(send, in_splits, layer.recv_rows)
+        transport.combine(got, got_layout, in_splits, copies)
+
+    record("dispatch_combine", "eager", dispatch_combine, moved)
+    if transport.capturable:
+        record("dispatch_combine", "graphed", graphed(dispatch_combine), moved)
+    del recv
+    free_memory()
+
+    # NCCL with about the same bytes (the ranks' largest), in equal splits: every rank the same size.
+    largest = torch.tensor(moved, device="cuda")
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    per_rank = -(-(int(largest) // 2) // (row_bytes * ep))
+    a = torch.randn(per_rank * ep, shape.hidden, device="cuda", dtype=DTYPE)
+    b = torch.empty_like(a)
+
+    def nccl():
+        dist.all_to_all_single(b, a)
+        dist.all_to_all_single(a, b)
+
+    record("nccl_all_to_all", "eager", nccl, 2 * a.numel() * a.element_size())
+    del a, b
+    free_memory()
+
+    params = list(layer.parameters())
+    index = [0]
+
+    def fwd_bwd(x, dout):
+        for p in params:
+            p.grad = None
+        out = layer(x)
+        out.backward(dout)
+        return out.detach()
+
+    def eager():
+        x, dout = inputs[index[0] % NUM_INPUTS]
+        index[0] += 1
+        fwd_bwd(x, dout)
+
+    record("fwd_bwd", "eager", eager)
+    if transport.capturable:
+        for p in params:
+            p.grad = None
+        free_memory()
+        static = graphs.capture_step(fwd_bwd, inputs[0][0].clone(), inputs[0][1].clone())
+
+        def replay():
+            x, dout = inputs[index[0] % NUM_INPUTS]
+            index[0] += 1
+            static(x, dout)
+
+        record("fwd_bwd", "graphed", replay)
+        del static
+    layer.check_overflow()  # the default capacity never drops; a drop here is a bug
+    del layer
+    free_memory()
+    return rows
+
+
+def main() -> None:
+    start = time.perf_counter()
+    rank, ep = init()
+    backend = "cuda" if moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None else "torch"
+    say(f"{torch.cuda.get_device_name()} x {ep}, torch {torch.__version__}; backend {backend}")
+    flush = L2Flush()
+    rows = []
+    for shape in SHAPES:
+        if shape.experts % ep:
+            say(f"{shape.label}: skipped, {shape.experts} experts do not split over {ep} ranks")
+            continue
+        say(f"{shape.label}: ep {ep}, {shape.experts // ep} experts per rank")
+        rows += bench_shape(shape, backend, flush, ep)
+    if rank == 0:
+        path = write_results("expert_parallel", rows)
+        print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

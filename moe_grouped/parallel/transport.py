@@ -1,0 +1,413 @@
+"""Moving token rows between the ranks of an expert-parallel group.
+
+Every transport implements the same two collectives over the same layouts,
+for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
+``r * ne .. r * ne + ne - 1``):
+
+- ``dispatch(send, in_splits, recv_rows)``: ``send`` [S, H] holds the rows
+  this rank sends, rank-major: to rank 0 for its local expert 0, then rank 0
+  expert 1, ..., then rank 1 expert 0, ...; ``in_splits`` [ep * ne] int64
+  (device) counts them, packed from row 0 (rows past ``in_splits.sum()`` are
+  not sent). Returns ``(recv, layout)``: ``recv`` [recv_rows, H] expert-major
+  — local expert 0's rows from rank 0, then from rank 1, ..., then expert 1's
+  — so the rows of each local expert are contiguous and the grouped GEMMs
+  take them as they are; rows past the received total are zero. ``layout``
+  [2, ne * ep] int64 (device): row 0 the received counts in that order,
+  row 1 their offsets in ``recv``. The chunks are packed except that
+  ``symm_mem`` leaves one row for an expert that receives nothing (torch's
+  kernel never makes an empty bin); such rows are zero.
+  :func:`local_expert_splits` gives the grouped GEMMs' ``m_splits`` (each
+  local expert's span of rows) from the layout; ``recv_rows`` is
+  :meth:`Transport.recv_rows` of the capacity.
+- ``combine(y, layout, in_splits, send_rows)``: the reverse. ``y`` [R, H] in
+  ``recv``'s layout; returns [send_rows, H] in ``send``'s layout (each row
+  back where it left from), rows past ``in_splits.sum()`` zero.
+
+The backward of a dispatch is a combine of the gradient and vice versa
+(:class:`DispatchFunction`, :class:`CombineFunction`).
+
+Transports:
+
+- ``symm_mem``: PyTorch symmetric memory over NVSHMEM
+  (``torch.ops.symm_mem.all_to_all_vdev_2d`` and ``all_to_all_vdev_2d_offset``).
+  The counts travel on the device, so dispatch and combine capture in a CUDA
+  graph. Its buffers are symmetric allocations made once (collectively, outside
+  capture) and sized for the largest send and receive; rows are copied into
+  them and out of them (the outputs must outlive the next collective, e.g. as
+  tensors saved for backward). torch's kernels limit it to ``ep <= 16`` ranks
+  and ``ne <= 16`` local experts. Collectives of one transport must run in
+  the same order on every rank, dispatch and combine alternating (as the layer
+  does: forward dispatch, combine; backward dispatch, combine): that order is
+  what keeps a rank from overwriting a buffer that a peer still reads.
+- ``all_to_all``: ``torch.distributed.all_to_all_single`` (NCCL or gloo) with
+  the counts read on the host — not capturable (it raises if called during
+  capture). The reference, and the CPU path.
+- ``local``: one rank (``ep == 1``): the rows stay where they are; device
+  copies only, capturable, on the CPU too.
+
+None of them can write out of bounds: the sender never sends more rows than
+the receiver's buffer has room for (the layer clamps each source's rows per
+destination to ``capacity // ep``; see
+:class:`moe_grouped.parallel.ExpertParallelMoELayer`), and the transports check
+the sizes they can see.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+TRANSPORTS = ("auto", "symm_mem", "all_to_all", "local")
+# torch's all_to_all_vdev_2d kernels (nvshmem_extension.cu): one warp-wide scan
+# over the ranks, one 32-thread tile per local expert in a 512-thread block;
+# the combine swaps the two roles.
+SYMM_MEM_MAX_RANKS = 16
+SYMM_MEM_MAX_LOCAL_EXPERTS = 16
+
+
+class CapacityOverflowError(RuntimeError):
+    """Token copies did not fit a rank's receive buffer and were dropped."""
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _exclusive_cumsum(counts: torch.Tensor) -> torch.Tensor:
+    return counts.cumsum(0) - counts
+
+
+def _rows(x: torch.Tensor, rows: int, total: torch.Tensor) -> torch.Tensor:
+    """``x``'s first ``rows`` rows (zero-padded), rows at or past ``total`` (device) zeroed.
+
+    New memory: the result may be saved for backward while ``x`` (a transport
+    buffer) is overwritten by the next collective.
+    """
+    if x.shape[0] >= rows:
+        x = x[:rows]
+    else:
+        x = torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])])
+    past = torch.arange(rows, device=x.device) >= total
+    return x.masked_fill(past.unsqueeze(1), 0)
+
+
+def _layout(splits_expert_major: torch.Tensor) -> torch.Tensor:
+    return torch.stack([splits_expert_major, _exclusive_cumsum(splits_expert_major)])
+
+
+def _chunk_rows(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    """``x`` with every row outside the layout's chunks zeroed (new memory), on the device."""
+    rows = x.shape[0]
+    starts = layout[1].clamp(max=rows)
+    ends = (layout[1] + layout[0]).clamp(max=rows)
+    edges = torch.zeros(rows + 1, dtype=torch.int64, device=x.device)
+    edges.index_add_(0, starts, torch.ones_like(starts))
+    edges.index_add_(0, ends, torch.full_like(ends, -1))
+    outside = edges.cumsum(0)[:rows] <= 0  # chunks do not overlap: inside means a count of 1
+    return x.masked_fill(outside.unsqueeze(1), 0)
+
+
+def local_expert_splits(layout: torch.Tensor, num_local_experts: int, ep_size: int) -> torch.Tensor:
+    """[ne] rows of each local expert in a dispatch's output: from its first chunk to the next expert's.
+
+    Equals the received counts per expert for packed layouts; counts the one
+    zero row ``symm_mem`` leaves for an expert that receives nothing.
+    """
+    counts = layout[0].view(num_local_experts, ep_size)
+    offsets = layout[1].view(num_local_experts, ep_size)
+    starts = offsets[:, 0]
+    end = (offsets[-1, -1] + counts[-1, -1]).view(1)
+    return torch.cat([starts[1:], end]) - starts
+
+
+class Transport:
+    """Dispatch and combine over ``ep`` ranks of ``num_local_experts`` experts each.
+
+    Subclasses implement :meth:`dispatch` and :meth:`combine` (see the module
+    docstring for the layouts). ``capturable`` says whether they can run during
+    CUDA graph capture.
+    """
+
+    name = "transport"
+    capturable = False
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ep_size: int, num_local_experts: int):
+        self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
+
+    def recv_rows(self, capacity: int) -> int:
+        """Rows of a dispatch's output for a receive capacity of ``capacity`` token copies."""
+        return capacity
+
+    def dispatch(self, send: torch.Tensor, in_splits: torch.Tensor, recv_rows: int):
+        raise NotImplementedError
+
+    def combine(self, y: torch.Tensor, layout: torch.Tensor, in_splits: torch.Tensor, send_rows: int):
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(ep_size={self.ep_size}, num_local_experts={self.num_local_experts})"
+
+
+class LocalTransport(Transport):
+    """One rank: dispatch and combine keep the rows in place (device copies; capturable)."""
+
+    name = "local"
+    capturable = True
+
+    def __init__(self, group: Optional[dist.ProcessGroup], ep_size: int, num_local_experts: int):
+        if ep_size != 1:
+            raise ValueError(f"the local transport serves a group of one rank, got ep_size={ep_size}")
+        super().__init__(group, ep_size, num_local_experts)
+
+    def dispatch(self, send, in_splits, recv_rows):
+        # One source: expert-major and rank-major are the same order.
+        return _rows(send, recv_rows, in_splits.sum()), _layout(in_splits)
+
+    def combine(self, y, layout, in_splits, send_rows):
+        return _rows(y, send_rows, in_splits.sum())
+
+
+class AllToAllTransport(Transport):
+    """``all_to_all_single`` with the counts read on the host (NCCL or gloo).
+
+    Not capturable: it synchronises to read how many rows go to and come from
+    each rank. The reference for the capturable transports, and the CPU path.
+    """
+
+    name = "all_to_all"
+    capturable = False
+
+    def _refuse_capture(self, x: torch.Tensor) -> None:
+        if _capturing(x):
+            raise RuntimeError(
+                "the all_to_all transport reads the token counts on the host and cannot run during "
+                "CUDA graph capture; use transport='symm_mem' (or 'local' for one rank)"
+            )
+
+    def _exchange_counts(self, in_splits: torch.Tensor) -> torch.Tensor:
+        """[ep (source), ne] counts this rank receives, from each rank's in_splits."""
+        received = torch.empty_like(in_splits)
+        dist.all_to_all_single(received, in_splits.contiguous(), group=self.group)
+        return received.view(self.ep_size, self.num_local_experts)
+
+    def dispatch(self, send, in_splits, recv_rows):
+        self._refuse_capture(send)
+        ep, ne = self.ep_size, self.num_local_experts
+        received = self._exchange_counts(in_splits)
+        send_sizes = in_splits.view(ep, ne).sum(1).tolist()
+        recv_sizes = received.sum(1).tolist()
+        if sum(recv_sizes) > recv_rows:
+            raise CapacityOverflowError(
+                f"{sum(recv_sizes)} rows arrive but the receive buffer has {recv_rows}; the sender "
+                "must clamp its rows per destination to capacity // ep_size"
+            )
+        got = send.new_empty(sum(recv_sizes), send.shape[1])
+        dist.all_to_all_single(
+            got, send[: sum(send_sizes)].contiguous(), recv_sizes, send_sizes, group=self.group
+        )
+        # got is source-major (source, expert); reorder to expert-major (expert, source).
+        counts = received.tolist()
+        starts = _exclusive_cumsum(received.reshape(-1)).view(ep, ne).tolist()
+        chunks = [got[starts[s][e] : starts[s][e] + counts[s][e]] for e in range(ne) for s in range(ep)]
+        recv = torch.cat(chunks) if chunks else got
+        layout = _layout(received.t().reshape(-1).to(in_splits.device))
+        return _rows(recv, recv_rows, torch.tensor(recv.shape[0], device=recv.device)), layout
+
+    def combine(self, y, layout, in_splits, send_rows):
+        self._refuse_capture(y)
+        ep, ne = self.ep_size, self.num_local_experts
+        counts = layout[0].view(ne, ep).tolist()
+        offsets = layout[1].view(ne, ep).tolist()
+        # Back to source-major: the rows each source sent, in the order it sent them.
+        chunks = [y[offsets[e][s] : offsets[e][s] + counts[e][s]] for s in range(ep) for e in range(ne)]
+        out = torch.cat(chunks) if chunks else y[:0]
+        send_sizes = [sum(counts[e][s] for e in range(ne)) for s in range(ep)]
+        recv_sizes = in_splits.view(ep, ne).sum(1).tolist()
+        back = y.new_empty(sum(recv_sizes), y.shape[1])
+        dist.all_to_all_single(back, out.contiguous(), recv_sizes, send_sizes, group=self.group)
+        return _rows(back, send_rows, torch.tensor(back.shape[0], device=back.device))
+
+
+class SymmMemTransport(Transport):
+    """PyTorch symmetric memory (NVSHMEM): device-side counts, capturable.
+
+    Allocates its symmetric buffers in the constructor — a collective: every
+    rank of ``group`` must construct it, outside CUDA graph capture:
+    ``max_send_rows`` x ``hidden`` and :meth:`recv_rows` x ``hidden`` rows of
+    ``dtype`` plus the count/offset tables. Nothing is allocated afterwards.
+    The receive buffer has ``capacity`` rows plus one per local expert, for the
+    row torch's dispatch gives an expert that receives nothing (``major_align``
+    1 still rounds an empty bin up to one row).
+    """
+
+    name = "symm_mem"
+    capturable = True
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        ep_size: int,
+        num_local_experts: int,
+        *,
+        max_send_rows: int,
+        capacity: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__(group, ep_size, num_local_experts)
+        if ep_size < 2:
+            raise ValueError(
+                "the symm_mem transport needs at least 2 ranks (NVSHMEM rendezvous refuses a group of "
+                "one); use transport='local' for ep_size 1"
+            )
+        if ep_size > SYMM_MEM_MAX_RANKS or num_local_experts > SYMM_MEM_MAX_LOCAL_EXPERTS:
+            raise ValueError(
+                f"torch's all_to_all_vdev_2d kernels take at most {SYMM_MEM_MAX_RANKS} ranks and "
+                f"{SYMM_MEM_MAX_LOCAL_EXPERTS} experts per rank, got ep_size={ep_size} and "
+                f"{num_local_experts} experts per rank; use transport='all_to_all'"
+            )
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the symm_mem transport runs on CUDA devices, got {device}")
+        if _capturing(torch.empty(0, device=device)):
+            raise RuntimeError("symmetric buffers cannot be allocated during CUDA graph capture")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            raise RuntimeError("the symm_mem transport needs NVSHMEM, which this torch cannot load")
+        if symm_mem.get_backend(device) != "NVSHMEM":
+            symm_mem.set_backend("NVSHMEM")
+        self.group_name = group.group_name
+        splits = ep_size * num_local_experts
+
+        def symmetric(*shape, dtype):
+            buffer = symm_mem.empty(*shape, dtype=dtype, device=device)
+            symm_mem.rendezvous(buffer, self.group_name)
+            return buffer
+
+        # Two row buffers suffice because dispatch and combine alternate: a dispatch pulls
+        # from peers' token buffers into the local expert buffer, a combine the reverse, and
+        # each starts with a barrier that peers reach only after finishing the previous one.
+        self.token_buffer = symmetric(max_send_rows, hidden, dtype=dtype)
+        self.expert_buffer = symmetric(self.recv_rows(capacity), hidden, dtype=dtype)
+        self.dispatch_in = symmetric(splits, dtype=torch.int64)
+        self.dispatch_out = symmetric(2, splits, dtype=torch.int64)
+        self.combine_in = symmetric(2, splits, dtype=torch.int64)
+        self.combine_out = symmetric(2, splits, dtype=torch.int64)
+
+    def recv_rows(self, capacity: int) -> int:
+        return capacity + self.num_local_experts
+
+    def _check_rows(self, what: str, x: torch.Tensor, buffer: torch.Tensor) -> None:
+        if x.shape[0] > buffer.shape[0] or x.shape[1] != buffer.shape[1] or x.dtype != buffer.dtype:
+            raise ValueError(
+                f"{what} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the symmetric "
+                f"buffer of shape {tuple(buffer.shape)} and dtype {buffer.dtype} allocated at construction"
+            )
+
+    def dispatch(self, send, in_splits, recv_rows):
+        self._check_rows("send", send, self.token_buffer)
+        if recv_rows != self.expert_buffer.shape[0]:
+            raise ValueError(f"recv_rows must be {self.expert_buffer.shape[0]} (the receive buffer), got {recv_rows}")
+        # Whole buffers go to the collective (never views): peers address them by the same offsets.
+        self.token_buffer[: send.shape[0]].copy_(send)
+        self.dispatch_in.copy_(in_splits)
+        torch.ops.symm_mem.all_to_all_vdev_2d(
+            self.token_buffer, self.expert_buffer, self.dispatch_in, self.dispatch_out, self.group_name
+        )
+        layout = self.dispatch_out.clone()
+        return _chunk_rows(self.expert_buffer, layout), layout
+
+    def combine(self, y, layout, in_splits, send_rows):
+        self._check_rows("y", y, self.expert_buffer)
+        if send_rows > self.token_buffer.shape[0]:
+            raise ValueError(f"send_rows {send_rows} exceeds the token buffer's {self.token_buffer.shape[0]} rows")
+        self.expert_buffer[: y.shape[0]].copy_(y)
+        self.combine_in.copy_(layout)
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(
+            self.expert_buffer, self.token_buffer, self.combine_in, self.combine_out, self.group_name
+        )
+        return _rows(self.token_buffer, send_rows, in_splits.sum())
+
+
+def resolve_transport(name: str, ep_size: int, device: torch.device, num_local_experts: int = 1) -> str:
+    """The transport ``name`` stands for. ``auto``: ``local`` for one rank; else ``symm_mem``
+    on CUDA where NVSHMEM loads and the group fits its kernels' limits; else ``all_to_all``."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+    if name == "local" and ep_size != 1:
+        raise ValueError(f"transport='local' serves a group of one rank, got ep_size={ep_size}")
+    if name != "auto":
+        return name
+    if ep_size == 1:
+        return "local"
+    fits = ep_size <= SYMM_MEM_MAX_RANKS and num_local_experts <= SYMM_MEM_MAX_LOCAL_EXPERTS
+    if fits and torch.device(device).type == "cuda":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if symm_mem.is_nvshmem_available():
+            return "symm_mem"
+    return "all_to_all"
+
+
+def make_transport(name: str, group, ep_size: int, num_local_experts: int, **buffers) -> Transport:
+    """A transport by its resolved name; ``buffers`` (sizes) are for ``symm_mem``."""
+    if name == "local":
+        return LocalTransport(group, ep_size, num_local_experts)
+    if name == "all_to_all":
+        return AllToAllTransport(group, ep_size, num_local_experts)
+    if name == "symm_mem":
+        return SymmMemTransport(group, ep_size, num_local_experts, **buffers)
+    raise ValueError(f"no transport named {name!r}; choose from {TRANSPORTS[1:]}")
+
+
+class DispatchFunction(torch.autograd.Function):
+    """``transport.dispatch`` whose backward is the combine of the gradient."""
+
+    @staticmethod
+    def forward(ctx, send, in_splits, transport: Transport, recv_rows: int):
+        recv, layout = transport.dispatch(send, in_splits, recv_rows)
+        ctx.transport, ctx.send_rows = transport, send.shape[0]
+        ctx.save_for_backward(in_splits, layout)
+        ctx.mark_non_differentiable(layout)
+        return recv, layout
+
+    @staticmethod
+    def backward(ctx, grad_recv, _grad_layout):
+        in_splits, layout = ctx.saved_tensors
+        grad = ctx.transport.combine(grad_recv.contiguous(), layout, in_splits, ctx.send_rows)
+        return grad, None, None, None
+
+
+class CombineFunction(torch.autograd.Function):
+    """``transport.combine`` whose backward is the dispatch of the gradient."""
+
+    @staticmethod
+    def forward(ctx, y, layout, in_splits, transport: Transport, send_rows: int):
+        ctx.transport, ctx.recv_rows = transport, y.shape[0]
+        ctx.save_for_backward(in_splits)
+        return transport.combine(y, layout, in_splits, send_rows)
+
+    @staticmethod
+    def backward(ctx, grad_back):
+        (in_splits,) = ctx.saved_tensors
+        grad, _ = ctx.transport.dispatch(grad_back.contiguous(), in_splits, ctx.recv_rows)
+        return grad, None, None, None, None
+
+
+__all__ = [
+    "TRANSPORTS",
+    "Transport",
+    "LocalTransport",
+    "AllToAllTransport",
+    "SymmMemTransport",
+    "CapacityOverflowError",
+    "DispatchFunction",
+    "CombineFunction",
+    "resolve_transport",
+    "local_expert_splits",
+    "make_transport",
+]
