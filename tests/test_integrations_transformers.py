@@ -5,6 +5,10 @@ run, FP8 and CUDA-graph replay (GPU)."""
 from __future__ import annotations
 
 import importlib
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -377,3 +381,43 @@ def test_cuda_fp8_autocast_is_close_to_bf16():
         (name, grad, bf16[2][name]) for name, grad in got[2].items()
     ]:
         assert calc_diff(a, b) < FP8_DIFF, (label, calc_diff(a, b))
+
+
+# --- examples/transformers_moe.py ----------------------------------------------------------------------------------
+
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "transformers_moe.py"
+TINY = ["--hidden", "32", "--ffn", "16", "--experts", "4", "--top-k", "2", "--layers", "1", "--seq", "16",
+        "--batch", "2", "--vocab", "64", "--steps", "3", "--warmup", "1"]
+STEP_LINE = r"experts_implementation='{}'\s+{}\s+step\s+[0-9.]+ ms \(median of \d+\), loss ([0-9.]+) -> ([0-9.]+)"
+
+
+def run_example(*flags):
+    result = subprocess.run([sys.executable, str(EXAMPLE), *flags], capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    return output
+
+
+def example_losses(output, implementation, mode):
+    match = re.search(STEP_LINE.format(implementation, mode), output)
+    assert match, output
+    return float(match.group(1)), float(match.group(2))
+
+
+def test_example_trains_on_the_cpu_with_both_implementations():
+    output = run_example(*TINY)
+    ours, theirs = example_losses(output, "moe_grouped", "eager"), example_losses(output, "grouped_mm", "eager")
+    assert ours == pytest.approx(theirs, rel=1e-4), output  # same weights, same batches, same maths
+    assert ours[1] < ours[0], output  # it trains
+    assert "CUDA graph" not in output, output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags", [[], ["--fp8"]], ids=["bf16", "fp8"])
+def test_example_trains_eager_and_graphed_on_the_gpu(flags):
+    output = run_example("--device", "cuda", "--steps", "20", *flags)
+    for implementation in ("moe_grouped", "grouped_mm"):
+        for mode in ("eager", "whole step in a CUDA graph"):
+            first, last = example_losses(output, implementation, mode)
+            assert last < first, output
+    print("\n" + output)
