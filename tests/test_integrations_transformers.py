@@ -179,6 +179,23 @@ def test_gate_is_the_first_half_of_gate_up_proj():
     torch.testing.assert_close(experts(x, index, weights), expected.detach(), rtol=1e-5, atol=1e-6)
 
 
+def test_replaced_expert_weights_are_used_and_trained():
+    """Parameters swapped after a first forward (to_empty, FSDP, a user): the next forward uses the new ones."""
+    config = make_config()
+    experts = make_block(config).experts
+    config._experts_implementation = NAME
+    x, index, weights = torch.randn(6, config.hidden_size), torch.randint(8, (6, 2)), torch.rand(6, 2)
+    experts(x, index, weights)
+    old = experts.down_proj
+    experts.down_proj = nn.Parameter(2 * old.detach())
+    scaled = experts(x, index, weights)
+    config._experts_implementation = "eager"
+    torch.testing.assert_close(scaled, experts(x, index, weights), rtol=1e-5, atol=1e-6)
+    config._experts_implementation = NAME
+    experts(x, index, weights).sum().backward()
+    assert experts.down_proj.grad is not None and old.grad is None
+
+
 def test_whole_model_switches_implementation():
     """A tiny Qwen3-MoE causal LM loaded with ours, switched to grouped_mm and back: same loss and gradients."""
     config = make_config(hidden=32, ffn=16, experts=8, top_k=2, norm_topk_prob=True, head_dim=8,

@@ -203,27 +203,36 @@ class _Views:
 
     GroupedLinear is where the bf16-or-FP8 choice (inside fp8_autocast) and
     its backward live; pointing one at the experts' tensors reuses that with
-    no copy. Rebuilt when the experts' tensors are replaced.
+    no copy. When the experts' tensors are replaced (``to_empty``, FSDP
+    swapping sharded and full parameters) the views follow them.
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]):
-        self.gate_up = self._over(gate_up, backend)
-        self.down = self._over(down, backend)
+        self.gate_up = self._linear(gate_up.shape, gate_up.dtype, backend)
+        self.down = self._linear(down.shape, down.dtype, backend)
         self.backend = backend
+        self.point_at(gate_up, down)
 
     @staticmethod
-    def _over(weight: torch.Tensor, backend: Optional[str]) -> GroupedLinear:
-        num_experts, out_features, in_features = weight.shape
-        linear = GroupedLinear(
+    def _linear(shape, dtype, backend: Optional[str]) -> GroupedLinear:
+        num_experts, out_features, in_features = shape
+        return GroupedLinear(
             num_experts, in_features, out_features, bias=False, single_grouped_weight=True,
-            dtype=weight.dtype, device="meta", backend=backend,
+            dtype=dtype, device="meta", backend=backend,
         )
-        del linear.weight  # its meta placeholder; the experts' own tensor replaces it
-        linear.weight = weight
-        return linear
 
-    def matches(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]) -> bool:
-        return self.gate_up.weight is gate_up and self.down.weight is down and self.backend == backend
+    def fits(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]) -> bool:
+        return (
+            self.backend == backend
+            and tuple(self.gate_up.weight.shape) == tuple(gate_up.shape)
+            and tuple(self.down.weight.shape) == tuple(down.shape)
+        )
+
+    def point_at(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        for linear, weight in ((self.gate_up, gate_up), (self.down, down)):
+            if linear.weight is not weight:
+                del linear.weight  # a Parameter (or plain tensor) of its own, or the experts' previous one
+                linear.weight = weight
 
 
 # Keyed by the experts module; the views keep its weights, never the module, alive.
@@ -233,8 +242,10 @@ _VIEWS: "weakref.WeakKeyDictionary[nn.Module, _Views]" = weakref.WeakKeyDictiona
 def _views_of(experts: nn.Module, backend: Optional[str]) -> _Views:
     gate_up, down = experts.gate_up_proj, experts.down_proj
     views = _VIEWS.get(experts)
-    if views is None or not views.matches(gate_up, down, backend):
+    if views is None or not views.fits(gate_up, down, backend):
         views = _VIEWS[experts] = _Views(gate_up, down, backend)
+    else:
+        views.point_at(gate_up, down)
     return views
 
 
