@@ -79,6 +79,9 @@ class ExpertsForward:
     backend it was registered with.
     """
 
+    # How register() recognises ours, also across a reload of this module (a new class).
+    moe_grouped_experts_forward = True
+
     def __init__(self, backend: Optional[str] = None):
         self.backend = backends.check_name(backend)
 
@@ -107,12 +110,14 @@ def register(name: str = DEFAULT_NAME, *, backend: Optional[str] = None) -> str:
     backends.check_name(backend)
     moe = _transformers_moe()
     existing = moe.ALL_EXPERTS_FUNCTIONS.get(name)
-    if name == "eager" or (existing is not None and not isinstance(existing, ExpertsForward)):
+    ours = getattr(existing, "moe_grouped_experts_forward", False) is True
+    if name == "eager" or (existing is not None and not ours):
+        owner = "transformers' eager forward" if name == "eager" else getattr(existing, "__qualname__", repr(existing))
         raise ValueError(
-            f"experts implementation {name!r} is already taken by {getattr(existing, '__qualname__', existing)!r} "
-            "(transformers' own or another package's); register moe_grouped under another name"
+            f"experts implementation {name!r} is already taken by {owner} (transformers' own or another "
+            "package's); register moe_grouped under another name"
         )
-    if not (isinstance(existing, ExpertsForward) and existing.backend == backend):
+    if not (ours and existing.backend == backend):
         moe.ExpertsInterface.register(name, ExpertsForward(backend))
     return name
 
