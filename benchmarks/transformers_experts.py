@@ -1,0 +1,251 @@
+"""transformers' Qwen3-MoE sparse block, forward + backward, under each experts implementation.
+
+op ``fwd_bwd``: one training step of ``Qwen3MoeSparseMoeBlock`` (transformers'
+router, then the experts module) in bf16 on new ``torch.randn`` inputs every
+step (the routing changes from step to step), with
+``config._experts_implementation``:
+  moe_grouped          ours (``moe_grouped.integrations.transformers``,
+                       default backend: the CUDA core on Hopper), eager
+  moe_grouped_graphed  the same step captured once with
+                       ``moe_grouped.graphs.capture_step`` and replayed; each
+                       step copies its new input and output gradient in
+  grouped_mm           transformers' own (torch grouped_mm), eager
+  grouped_mm_graphed   the same, captured and replayed
+  eager                transformers' per-expert loop (host syncs); skipped for
+                       a shape whose first step takes longer than 2 s
+Each step sets the gradients to None first. ``ms``: median of CUDA-event-timed
+steps, each from an idle GPU after an L2 flush; ``wall_ms``: steps issued
+back to back, total time / steps. ``tflops``: the expert GEMMs only,
+18 * T * top_k * hidden * ffn per step. ``rel_err``: the output and the
+expert weight gradients against grouped_mm's on one input (largest of the
+relative errors).
+
+Shapes (the Qwen3-MoE block class with these sizes; no shared experts):
+  qwen3_30b_a3b  hidden 2048, ffn  768, 128 experts, top-8, 8192 tokens
+  dsv2_lite      hidden 2048, ffn 1408,  64 experts, top-6, 8192 tokens
+  mixtral        hidden 4096, ffn 14336,  8 experts, top-2, 8192 tokens
+
+    python benchmarks/transformers_experts.py   # table + results/transformers_experts-<gpu>.json
+"""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+if not torch.cuda.is_available():
+    raise SystemExit(
+        "benchmarks/transformers_experts.py needs a CUDA GPU, and torch sees none; run it on the GPU machine"
+    )
+
+try:
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+except ImportError as error:
+    raise SystemExit(f'benchmarks/transformers_experts.py needs transformers>=5: pip install "transformers>=5" ({error})')
+
+from common import L2Flush, time_ms, write_results  # noqa: E402
+from grouped_gemm import warm_up_clocks  # noqa: E402
+from moe_grouped import graphs  # noqa: E402
+from moe_grouped.integrations import transformers as mg_transformers  # noqa: E402
+
+
+@dataclass
+class Shape:
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int
+    repeats: int = 20
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
+
+    def flops(self) -> float:
+        return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
+
+
+SHAPES = [
+    Shape("qwen3_30b_a3b", 2048, 768, 128, 8, 8192),
+    Shape("dsv2_lite", 2048, 1408, 64, 6, 8192),
+    Shape("mixtral", 4096, 14336, 8, 2, 8192),
+]
+OURS = mg_transformers.register()
+NUM_INPUTS = 4  # distinct (x, dout) pairs the steps cycle through: new routing every step
+EAGER_LIMIT_S = 2.0
+WALL_STEPS = 10
+DTYPE = torch.bfloat16
+
+
+def make_block(shape: Shape) -> Qwen3MoeSparseMoeBlock:
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=shape.hidden, moe_intermediate_size=shape.ffn, num_experts=shape.experts,
+        num_experts_per_tok=shape.top_k, norm_topk_prob=True,
+    )
+    block = Qwen3MoeSparseMoeBlock(config).to(device="cuda", dtype=DTYPE)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for param in block.parameters():  # the block leaves its parameters uninitialised
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=gen)
+    return block
+
+
+def make_inputs(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    return [
+        (torch.randn(1, shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen),
+         torch.randn(1, shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
+        for _ in range(NUM_INPUTS)
+    ]
+
+
+class Steps:
+    """Training steps of the block under one experts implementation, over the cycled inputs."""
+
+    def __init__(self, block, implementation: str, inputs):
+        self.block, self.implementation, self.inputs = block, implementation, inputs
+        self.params = list(block.parameters())
+        self.index = 0
+
+    def fwd_bwd(self, x, dout) -> torch.Tensor:
+        self.block.experts.config._experts_implementation = self.implementation
+        for p in self.params:
+            p.grad = None
+        out = self.block(x.detach().requires_grad_(True))
+        out.backward(dout)
+        return out.detach()  # capture_step's outputs are tensors
+
+    def eager(self) -> None:
+        x, dout = self.inputs[self.index % NUM_INPUTS]
+        self.index += 1
+        self.fwd_bwd(x, dout)
+
+    def capture(self):
+        for p in self.params:
+            p.grad = None
+        free_memory()
+        x, dout = self.inputs[0]
+        static = graphs.capture_step(self.fwd_bwd, x.clone(), dout.clone())
+
+        def replay() -> None:
+            x, dout = self.inputs[self.index % NUM_INPUTS]
+            self.index += 1
+            static(x, dout)
+
+        return static, replay
+
+
+def wall_ms(step, steps: int = WALL_STEPS) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def rel_errors(block, inputs) -> float:
+    """Largest relative error of ours against grouped_mm: the output and the expert weight gradients."""
+    x, dout = inputs[0]
+    results = {}
+    for implementation in (OURS, "grouped_mm"):
+        out = Steps(block, implementation, inputs).fwd_bwd(x, dout).float()
+        results[implementation] = [out, block.experts.gate_up_proj.grad.float(), block.experts.down_proj.grad.float()]
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(results[OURS], results["grouped_mm"])]
+    for p in block.parameters():
+        p.grad = None
+    return max(errors)
+
+
+def bench_shape(shape: Shape, flush: L2Flush) -> list[dict]:
+    rows = []
+    inputs = make_inputs(shape)
+    block = make_block(shape)
+    error = rel_errors(block, inputs)
+    print(f"  ours vs grouped_mm: largest relative error (output, expert weight grads) {error:.2e}", flush=True)
+
+    def record(backend, step):
+        ms = time_ms(step, warmup=3, repeats=shape.repeats, flush=flush)
+        wall = wall_ms(step)
+        rows.append({"bench": "transformers_experts", "op": "fwd_bwd", "shape": shape.label, "splits": "router",
+                     "backend": backend, "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1),
+                     "wall_ms": round(wall, 4)})
+        if backend.startswith(OURS):
+            rows[-1]["rel_err"] = round(error, 6)
+        print(f"  {backend:<20} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  (back to back {wall:8.3f} ms/step)",
+              flush=True)
+
+    for implementation in (OURS, "grouped_mm"):
+        steps = Steps(block, implementation, inputs)
+        record(implementation, steps.eager)
+        try:
+            static, replay = steps.capture()
+        except Exception as failure:  # noqa: BLE001 -- report and go on with the other rows
+            print(f"  {implementation}_graphed  not captured: {type(failure).__name__}: {failure}", flush=True)
+        else:
+            record(f"{implementation}_graphed", replay)
+            del static, replay
+        free_memory()
+
+    steps = Steps(block, "eager", inputs)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    steps.eager()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    if first > EAGER_LIMIT_S:
+        print(f"  eager                skipped: its first step took {first:.1f} s (> {EAGER_LIMIT_S} s)", flush=True)
+    else:
+        record("eager", steps.eager)
+    del block, steps
+    free_memory()
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    print(f"\n{'shape':<44} {'backend':<20} {'ms':>9} {'wall_ms':>9} {'TFLOP/s':>8}")
+    for r in rows:
+        print(f"{r['shape']:<44} {r['backend']:<20} {r['ms']:>9.3f} {r['wall_ms']:>9.3f} {r['tflops']:>8.1f}")
+    ms = {(r["shape"], r["backend"]): r["ms"] for r in rows}
+    print("\nspeed-ups (slower ms / faster ms; bars in brackets)")
+    for shape in SHAPES:
+        for ours, theirs in ((OURS, "grouped_mm"), (f"{OURS}_graphed", "grouped_mm_graphed"),
+                             (f"{OURS}_graphed", "grouped_mm"), (OURS, "eager")):
+            if (shape.label, ours) in ms and (shape.label, theirs) in ms:
+                bar = " [>= 1.8x]" if shape.name == "qwen3_30b_a3b" and (ours, theirs) == (OURS, "grouped_mm") else ""
+                print(f"  {shape.name:<14} {ours} vs {theirs}: "
+                      f"{ms[(shape.label, theirs)] / ms[(shape.label, ours)]:5.2f}x{bar}")
+
+
+def main() -> None:
+    start = time.perf_counter()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}",
+          flush=True)
+    flush = L2Flush()
+    warm_up_clocks()
+    rows = []
+    for shape in SHAPES:
+        print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)
+        rows += bench_shape(shape, flush)
+    summarize(rows)
+    path = write_results("transformers_experts", rows)
+    print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
