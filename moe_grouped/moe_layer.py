@@ -156,7 +156,7 @@ class MoELayer(nn.Module):
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
             loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
             out = _AttachAuxLoss.apply(out, loss)
-        self.last_routing = RoutingOutput(**{k: v.detach() for k, v in vars(routing).items()})
+        self.last_routing = routing.detached()
         return out.view(x.shape)
 
     def backward_dw(self) -> None:

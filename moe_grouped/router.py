@@ -66,6 +66,14 @@ class RoutingOutput:
     z_loss: torch.Tensor
     logits: torch.Tensor
 
+    def detached(self) -> "RoutingOutput":
+        """A copy whose tensors are detached (to keep for logging without holding the graph)."""
+        # Fields spelled out: Dynamo cannot trace vars()/__dict__ of this object.
+        return RoutingOutput(
+            self.weights.detach(), self.experts.detach(), self.tokens_per_expert.detach(),
+            self.aux_loss.detach(), self.z_loss.detach(), self.logits.detach(),
+        )
+
 
 def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """[E] int64 counts of the entries of ``experts`` per expert, without a host sync.
