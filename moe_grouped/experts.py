@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .activation import swiglu
-from .grouped_linear import _param_grads, _Spec
+from .grouped_linear import _main_grads, _param_grads, _Spec
 
 EXPERTS_PATHS = (None, "fused", "unfused")
 
@@ -98,10 +98,15 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
     """
     if not needed:
         return [None] * len(weights)
+    main_grads = []
+    if spec.fuse_wgrad_accumulation:
+        main_grads = _main_grads(weights)
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
     if spec.delay_wgrad_compute:
-        delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [])))
+        delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)))
         return [None] * len(weights)
-    return _param_grads(spec, dy, x_fn(), m_splits, weights, [])
+    return _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)
 
 
 class FusedExpertsFunction(torch.autograd.Function):

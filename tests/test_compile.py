@@ -16,6 +16,7 @@ backend on CPU and the ``cuda`` backend (sm_90) on the GPU.
 from __future__ import annotations
 
 import re
+import socket
 from typing import Callable, Sequence
 
 import pytest
@@ -460,3 +461,84 @@ def test_fp8_moe_layer(compiler, case):
     x = torch.randn(2, 6, FP8_K, dtype=torch.bfloat16)
     assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
                                   compiler=compiler, **EXACT)
+
+
+# The fused experts path (moe_grouped.experts): explicit experts_path="fused" on the CPU backends.
+
+FUSED_MOE_CASES = ["plain", "aux-shared", "capacity-probs", "capacity-padded", "sigmoid-groups"]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+def test_fused_grouped_mlp(backend, compiler, single_grouped_weight):
+    torch.manual_seed(0)
+    mlp = GroupedMLP(E, K, 32, single_grouped_weight=single_grouped_weight, backend=backend, experts_path="fused")
+    x = torch.randn(sum(SPLITS), K)
+    assert mlp.uses_fused_path(x)
+    assert_compiled_matches_eager(mlp, [x, torch.tensor(SPLITS)], list(mlp.parameters()), compiler=compiler)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", FUSED_MOE_CASES)
+def test_fused_moe_layer(backend, compiler, case):
+    torch.manual_seed(0)
+    layer = MoELayer(K, 32, E, 2, backend=backend, experts_path="fused", **MOE_CASES[case])
+    x = torch.randn(2, 6, K)
+    assert layer.experts.uses_fused_path(x.view(-1, K))
+    assert_compiled_matches_eager(layer, [x], list(layer.parameters()), compiler=compiler)
+
+
+# ExpertParallelMoELayer on a one-rank gloo group: the 'local' transport traces; 'all_to_all' (host-read counts)
+# is refused under compile.
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("capacity", [None, 48], ids=["default-capacity", "given-capacity"])
+def test_expert_parallel_local(one_rank_group, backend, compiler, capacity):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="local", capacity=capacity,
+                                   aux_loss_coeff=1e-2, shared_expert_ffn_hidden=16, backend=backend)
+    # The first (eager) forward of the helper sets the transport up before the compiled calls.
+    assert_compiled_matches_eager(layer, [torch.randn(2, 6, K)], list(layer.parameters()), compiler=compiler)
+    layer.check_overflow()  # outside the compiled region, as after capture
+
+
+def test_expert_parallel_all_to_all_is_refused_under_compile(one_rank_group):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="all_to_all", backend="torch")
+    x = torch.randn(12, K)
+    layer(x)  # sets the transport up
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape("transport='all_to_all') cannot run under torch.compile")):
+        torch.compile(layer, fullgraph=True, backend="eager")(x)
+
+
+def test_expert_parallel_first_forward_must_be_eager(one_rank_group):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="local", backend="torch")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="call the layer once before torch.compile traces it"):
+        torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(12, K))
