@@ -542,3 +542,51 @@ def test_expert_parallel_first_forward_must_be_eager(one_rank_group):
     torch._dynamo.reset()
     with pytest.raises(Exception, match="call the layer once before torch.compile traces it"):
         torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(12, K))
+
+
+# GPU FP8: the core's quantize kernels and CUTLASS FP8 GEMMs (sm_90) behind the custom ops, under inductor.
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_gpu_fp8_grouped_linear(single_grouped_weight, fuse):
+    torch.manual_seed(0)
+    layer = _cuda_module(GroupedLinear(E, 128, 256, single_grouped_weight=single_grouped_weight,
+                                       fuse_wgrad_accumulation=fuse, backend="cuda"))
+    if fuse:
+        _with_main_grads(layer)
+    x = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.tensor([40, 0, 72, 16], device="cuda")
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["E4M3"]), [x, m_splits], list(layer.parameters()),
+                                  compiler="inductor", **BF16)
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("case", ["plain", "aux-shared", "capacity-probs"])
+def test_gpu_fp8_moe_layer(case):
+    torch.manual_seed(0)
+    layer = _cuda_module(MoELayer(128, 256, 8, 2, backend="cuda", **MOE_CASES[case]))
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
+                                  compiler="inductor", **BF16)
+
+
+@pytest.mark.gpu
+@cuda_fp8
+def test_gpu_fp8_quantizers():
+    torch.manual_seed(0)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, 128, 256, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.tensor([40, 0, 72, 16], device="cuda")
+
+    def quantize(x, w, m_splits):
+        both = fp8.quantize_grouped(x, m_splits, E4M3, dbias=True)
+        weights = fp8.quantize_weights_128x128(w, E4M3)
+        # Column-wise positions no expert owns are left unwritten by the kernel: compare the rest.
+        return (*_bits(fp8.quantize_rowwise(x, E4M3)), *_bits(both.rowwise), both.dbias, *_bits(weights.w),
+                *_bits(weights.wt))
+
+    assert_compiled_matches_eager(quantize, [x, w, m_splits], compiler="inductor", **EXACT)
