@@ -98,17 +98,15 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
     """
     if not needed:
         return [None] * len(weights)
-
-    def grads():
-        main_grads = _main_grads(weights) if spec.fuse_wgrad_accumulation else []
-        for weight in weights if main_grads else ():
-            weight.grad_added_to_main_grad = True  # as Megatron expects
-        return _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)
-
+    main_grads = []
+    if spec.fuse_wgrad_accumulation:
+        main_grads = _main_grads(weights)
+        for weight in weights:
+            weight.grad_added_to_main_grad = True
     if spec.delay_wgrad_compute:
-        delayed.append((list(weights), grads))
+        delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)))
         return [None] * len(weights)
-    return grads()
+    return _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)
 
 
 class FusedExpertsFunction(torch.autograd.Function):

@@ -9,7 +9,6 @@ home: ``m_splits`` (tokens per expert), ``fuse_wgrad_accumulation`` into
 from __future__ import annotations
 
 import collections
-import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -134,21 +133,6 @@ def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases, main_grads) -> l
     return [*weight_grads, *bias_grads]
 
 
-def _fp8_param_grads(spec: _Spec, weights, biases, dyt, xt, dbias, m_splits, total_rows) -> list:
-    """Parameter gradients of the FP8 path, in parameter order (see _param_grads)."""
-    if spec.fuse_wgrad_accumulation:
-        fp8_linear.wgrad_into(dyt, xt, m_splits, total_rows, _main_grads(weights), accumulate=True, backend=spec.backend)
-        for weight in weights:
-            weight.grad_added_to_main_grad = True
-        weight_grads = [None] * len(weights)
-    else:
-        w = weights[0]
-        grads = torch.empty(num_groups_of(weights), *w.shape[-2:], dtype=w.dtype, device=w.device)
-        fp8_linear.wgrad_into(dyt, xt, m_splits, total_rows, [grads], accumulate=False, backend=spec.backend)
-        weight_grads = [grads] if w.dim() == 3 else list(grads.unbind(0))
-    return [*weight_grads, *fp8_linear.bias_grads(dbias, biases)]
-
-
 class GroupedLinear(nn.Module):
     """``num_experts`` independent linear layers over token-major input.
 
@@ -265,26 +249,11 @@ class GroupedLinear(nn.Module):
         backend = backends.resolve(self.backend, x.device)
         splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device, backend=backend)
         recipe = get_fp8_recipe()
-        if recipe is not None and torch.compiler.is_compiling():
-            # The FP8 path quantizes through ctypes calls and host-side weight caching outside custom ops.
-            raise NotImplementedError(
-                "GroupedLinear inside moe_grouped.fp8.fp8_autocast cannot run under torch.compile yet; run the "
-                "FP8 layers eagerly or captured with moe_grouped.graphs, or compile outside fp8_autocast"
-            )
         if recipe is None:
             check_backend_dtype(backend, x.dtype)
         else:
             # Never fall back to bf16 silently inside an FP8 region.
             fp8_linear.check_supported(backend, x, self.out_features, self.in_features)
-        spec = self._spec(backend)
-        biases = self.biases()
-        params = (*weights, *biases)
-        if recipe is not None:
-            grads_for = functools.partial(_fp8_param_grads, spec, weights, biases)
-            cached = self._fp8_weights.get(weights, recipe, backend, is_first_microbatch)
-            return fp8_linear.Fp8GroupedLinearFunction.apply(
-                x, splits, spec, recipe, self._delayed, grads_for, cached, *params
-            )
         if self.delay_wgrad_compute and torch.compiler.is_compiling():
             # backward_dw() runs work that backward queued on the module, which a
             # compiled graph cannot hold; refuse rather than drop the gradients.
@@ -293,12 +262,26 @@ class GroupedLinear(nn.Module):
                 "gradients are Python closures kept for backward_dw(). Compile a layer built with "
                 "delay_wgrad_compute=False, or run this one eagerly (or captured with moe_grouped.graphs)"
             )
+        spec = self._spec(backend)
+        params = (*weights, *self.biases())
         main_grads = []
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             main_grads = _main_grads(weights)
             for weight in weights:
                 weight.grad_added_to_main_grad = True
-        return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params, *main_grads)
+        if recipe is None:
+            return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params, *main_grads)
+        if is_first_microbatch is not None and torch.compiler.is_compiling():
+            # The cache compares data pointers and version counters on the host between calls.
+            raise NotImplementedError(
+                "GroupedLinear(is_first_microbatch=True/False) cannot run under torch.compile: the FP8 weight "
+                "cache is host state checked between calls. Pass is_first_microbatch=None (the weights are "
+                "then quantized inside the compiled graph on every call), or run this layer eagerly"
+            )
+        cached = self._fp8_weights.get(weights, recipe, backend, is_first_microbatch)
+        return fp8_linear.Fp8GroupedLinearFunction.apply(
+            x, splits, spec, recipe, self._delayed, cached, *params, *main_grads
+        )
 
     def _spec(self, backend: str) -> _Spec:
         """What an autograd function running this layer on ``backend`` needs to know of it."""

@@ -111,10 +111,14 @@ def _check_capacity_factor(capacity_factor) -> None:
 def _check_experts_in_range(experts: torch.Tensor, num_experts: int) -> None:
     """ValueError naming the first expert index outside [0, num_experts); reads them on the host.
 
-    Skipped during capture and under torch.compile (neither can read values on
-    the host): the backends' index ops drop such copies.
+    Skipped during capture (the read cannot be captured): the kernels drop such copies.
+    Under torch.compile, where the read cannot be traced either, an assert on the device.
     """
-    if torch.compiler.is_compiling() or (experts.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if torch.compiler.is_compiling():
+        valid = ((experts >= 0) & (experts < num_experts)).all()
+        torch._assert_async(valid, f"moe_grouped: an expert index is outside [0, {num_experts})")
+        return
+    if experts.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     bad = ((experts < 0) | (experts >= num_experts)).nonzero()
     if bad.shape[0]:
@@ -126,8 +130,13 @@ def _check_experts_in_range(experts: torch.Tensor, num_experts: int) -> None:
 
 
 def _check_rows_in_range(row_id_map: torch.Tensor, num_rows: int) -> None:
-    """ValueError naming the first row_id_map entry outside [-1, num_rows); reads it on the host."""
-    if torch.compiler.is_compiling() or (row_id_map.is_cuda and torch.cuda.is_current_stream_capturing()):
+    """ValueError naming the first row_id_map entry outside [-1, num_rows); reads it on the host
+    (under torch.compile, which cannot trace the read, an assert on the device)."""
+    if torch.compiler.is_compiling():
+        valid = ((row_id_map >= -1) & (row_id_map < num_rows)).all()
+        torch._assert_async(valid, f"moe_grouped: a row_id_map entry is outside [-1, {num_rows})")
+        return
+    if row_id_map.is_cuda and torch.cuda.is_current_stream_capturing():
         return
     bad = ((row_id_map < -1) | (row_id_map >= num_rows)).nonzero()
     if bad.shape[0]:

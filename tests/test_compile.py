@@ -8,19 +8,23 @@ the same module run eagerly.
 
 CPU: the ``reference`` and ``torch`` backends under Dynamo's ``eager`` and
 ``aot_eager`` backends (and one inductor case); GPU (``@pytest.mark.gpu``):
-the ``cuda`` and ``torch`` backends under inductor.
+the ``cuda`` and ``torch`` backends under inductor. The FP8 path
+(``fp8_autocast``, the quantizers and FP8 GEMMs) on the ``reference``
+backend on CPU and the ``cuda`` backend (sm_90) on the GPU.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 from typing import Callable, Sequence
 
 import pytest
 import torch
 
 import moe_grouped
-from moe_grouped import GroupedLinear, GroupedMLP, MoELayer
+from moe_grouped import GroupedLinear, GroupedMLP, MoELayer, fp8
+from moe_grouped.fp8 import gemm as fp8_gemm
 
 CPU_BACKENDS = ("reference", "torch")
 COMPILERS = ("eager", "aot_eager")
@@ -54,7 +58,8 @@ def _run(fn: Callable, args: Sequence, tracked: Sequence[torch.Tensor], seed: in
         for o in outs
         if o.is_floating_point() and o.requires_grad
     )
-    loss.backward()
+    if isinstance(loss, torch.Tensor):  # else nothing is differentiable (the quantizers)
+        loss.backward()
     grads = []
     for tensor in tracked:
         main_grad = getattr(tensor, "main_grad", None)
@@ -190,25 +195,6 @@ def test_grouped_linear_delay_wgrad_compute_is_refused_under_compile():
         torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(sum(SPLITS), K), torch.tensor(SPLITS))
 
 
-@pytest.mark.parametrize("autocast_inside", [True, False], ids=["autocast-inside", "autocast-outside"])
-def test_fp8_grouped_linear_is_refused_under_compile(autocast_inside):
-    layer = GroupedLinear(E, 128, 128, dtype=torch.bfloat16, backend="reference")
-
-    def fp8_forward(x, m_splits):
-        with moe_grouped.fp8.fp8_autocast():
-            return layer(x, m_splits)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fp8_forward if autocast_inside else layer, fullgraph=True, backend="eager")
-    x = torch.randn(sum(SPLITS), 128, dtype=torch.bfloat16)
-    with pytest.raises(Exception, match="fp8_autocast cannot run under torch.compile"):
-        if autocast_inside:
-            compiled(x, torch.tensor(SPLITS))
-        else:
-            with moe_grouped.fp8.fp8_autocast():
-                compiled(x, torch.tensor(SPLITS))
-
-
 @pytest.mark.parametrize("compiler", COMPILERS)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_grouped_mlp(backend, compiler):
@@ -336,3 +322,271 @@ def test_gpu_moe_layer(backend, case):
     # The router computes in float32; inductor's fused bf16 elementwise ops (shared expert, combine) round
     # differently from eager's, hence bf16 tolerances.
     assert_compiled_matches_eager(layer, [x], list(layer.parameters()), compiler="inductor", **BF16)
+
+
+# FP8 block scaling: the quantizers, the FP8 GEMMs and the layers inside fp8_autocast. The compiled graph runs
+# the same custom ops as eager, so the results are equal bit for bit.
+
+FP8_E, FP8_K, FP8_N = 4, 128, 64
+E4M3 = torch.float8_e4m3fn
+EXACT = {"atol": 0.0, "rtol": 0.0}
+RECIPES = {"E4M3": fp8.Float8BlockScaling(), "HYBRID": fp8.Float8BlockScaling("HYBRID", pow2_scales=False)}
+cuda_fp8 = pytest.mark.skipif(
+    not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 GEMMs"
+)
+
+
+def _bits(q) -> list[torch.Tensor]:
+    """A quantized operand as comparable tensors (fp8 data as its bytes)."""
+    return [q.data.view(torch.uint8), q.scale_inv]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_fp8_quantizers(compiler):
+    torch.manual_seed(0)
+    x, w = torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16), torch.randn(FP8_E, FP8_N, FP8_K)
+
+    def quantize(x, w, m_splits):
+        rowwise = fp8.quantize_rowwise(x, E4M3)
+        both = fp8.quantize_grouped(x, m_splits, torch.float8_e5m2, False, 1e-3, dbias=True)
+        columnwise = fp8.quantize_columnwise_grouped(x, m_splits, E4M3)
+        grouped = fp8.quantize_weights_128x128(w, E4M3)
+        separate = fp8.quantize_weights_128x128(list(w.unbind(0)), E4M3, transpose=False)
+        return (*_bits(rowwise), *_bits(both.rowwise), *_bits(both.columnwise), both.dbias, *_bits(columnwise),
+                *_bits(grouped.w), *_bits(grouped.wt), *_bits(separate.w))
+
+    assert_compiled_matches_eager(quantize, [x, w, torch.tensor(SPLITS)], compiler=compiler, **EXACT)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("accumulate", [False, True], ids=["fresh", "accumulate"])
+def test_fp8_gemms(compiler, accumulate):
+    torch.manual_seed(0)
+    rows = sum(SPLITS)
+    x, dy = torch.randn(rows, FP8_K, dtype=torch.bfloat16), torch.randn(rows, FP8_N, dtype=torch.bfloat16)
+    w, bias = torch.randn(FP8_E, FP8_N, FP8_K), torch.randn(FP8_E, FP8_N, dtype=torch.bfloat16)
+    start = torch.randn(FP8_E, FP8_N, FP8_K)
+
+    def gemms(x, dy, w, bias, m_splits, out):
+        xq = fp8.quantize_grouped(x, m_splits, E4M3)
+        dyq = fp8.quantize_grouped(dy, m_splits, torch.float8_e5m2)
+        wq = fp8.quantize_weights_128x128(w, E4M3)
+        y = fp8_gemm.grouped_fprop_fp8(xq.rowwise, wq.w, m_splits, bias, backend="reference")
+        dx = fp8_gemm.grouped_dgrad_fp8(dyq.rowwise, wq.wt, m_splits, backend="reference")
+        fp8_gemm.grouped_wgrad_fp8(dyq.columnwise, xq.columnwise, m_splits, [out], total_rows=rows,
+                                   accumulate=accumulate, backend="reference")
+        return y, dx, out * 1
+
+    # out is a fresh copy per run: eager, then the two compiled calls, each from the same start
+    torch._dynamo.reset()
+    want = gemms(x, dy, w, bias, torch.tensor(SPLITS), start.clone())
+    compiled = torch.compile(gemms, fullgraph=True, backend=compiler)
+    for step in range(2):
+        got = compiled(x, dy, w, bias, torch.tensor(SPLITS), start.clone())
+        for i, (a, b) in enumerate(zip(got, want)):
+            torch.testing.assert_close(a, b, **EXACT, msg=lambda m: f"output {i} ({step=}): {m}")
+    assert torch.equal(want[2][1], start[1] if accumulate else torch.zeros_like(start[1])), "expert without tokens"
+
+
+def _fp8_call(module, recipe):
+    def call(*args):
+        with fp8.fp8_autocast(recipe):
+            return module(*args)
+
+    return call
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_fp8_grouped_linear(compiler, recipe, single_grouped_weight, bias, fuse):
+    torch.manual_seed(0)
+    layer = GroupedLinear(FP8_E, FP8_K, FP8_N, bias=bias, single_grouped_weight=single_grouped_weight,
+                          fuse_wgrad_accumulation=fuse, dtype=torch.bfloat16, backend="reference")
+    if fuse:
+        _with_main_grads(layer)
+    x = torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES[recipe]), [x, torch.tensor(SPLITS)],
+                                  list(layer.parameters()), compiler=compiler, **EXACT)
+    if fuse:
+        assert all(w.grad is None and w.grad_added_to_main_grad for w in layer.weights())
+
+
+def test_fp8_autocast_outside_the_compiled_region_recompiles():
+    """The recipe is read while tracing and guarded: entering fp8_autocast, or changing the recipe, retraces."""
+    torch.manual_seed(0)
+    layer = GroupedLinear(FP8_E, FP8_K, FP8_N, dtype=torch.bfloat16, backend="reference")
+    x, m_splits = torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16), torch.tensor(SPLITS)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    bf16 = layer(x, m_splits)
+    for recipe in (None, RECIPES["E4M3"], None, RECIPES["HYBRID"]):
+        with fp8.fp8_autocast(recipe, enabled=recipe is not None):
+            got, want = compiled(x, m_splits), layer(x, m_splits)
+        assert torch.equal(got, want), f"{recipe=}"
+        assert torch.equal(got, bf16) == (recipe is None), f"{recipe=}: FP8 must differ from bfloat16"
+
+
+def test_fp8_is_first_microbatch_is_refused_under_compile():
+    layer = GroupedLinear(FP8_E, FP8_K, FP8_N, dtype=torch.bfloat16, backend="reference")
+
+    def first_microbatch(x, m_splits):
+        with fp8.fp8_autocast():
+            return layer(x, m_splits, is_first_microbatch=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(first_microbatch, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match=re.escape("is_first_microbatch=True/False) cannot run under torch.compile")):
+        compiled(torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16), torch.tensor(SPLITS))
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_fp8_grouped_mlp(compiler):
+    torch.manual_seed(0)
+    mlp = GroupedMLP(FP8_E, FP8_K, FP8_N, dtype=torch.bfloat16, backend="reference")
+    x = torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(mlp, RECIPES["E4M3"]), [x, torch.tensor(SPLITS)],
+                                  list(mlp.parameters()), compiler=compiler, **EXACT)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("case", ["plain", "aux-shared", "capacity-padded", "grouped-bias", "main_grad"])
+def test_fp8_moe_layer(compiler, case):
+    torch.manual_seed(0)
+    layer = MoELayer(FP8_K, FP8_N, FP8_E, 2, dtype=torch.bfloat16, backend="reference", **MOE_CASES[case])
+    if MOE_CASES[case].get("fuse_wgrad_accumulation"):
+        _with_main_grads(layer.experts)
+    x = torch.randn(2, 6, FP8_K, dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
+                                  compiler=compiler, **EXACT)
+
+
+# The fused experts path (moe_grouped.experts): explicit experts_path="fused" on the CPU backends.
+
+FUSED_MOE_CASES = ["plain", "aux-shared", "capacity-probs", "capacity-padded", "sigmoid-groups"]
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+def test_fused_grouped_mlp(backend, compiler, single_grouped_weight):
+    torch.manual_seed(0)
+    mlp = GroupedMLP(E, K, 32, single_grouped_weight=single_grouped_weight, backend=backend, experts_path="fused")
+    x = torch.randn(sum(SPLITS), K)
+    assert mlp.uses_fused_path(x)
+    assert_compiled_matches_eager(mlp, [x, torch.tensor(SPLITS)], list(mlp.parameters()), compiler=compiler)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("case", FUSED_MOE_CASES)
+def test_fused_moe_layer(backend, compiler, case):
+    torch.manual_seed(0)
+    layer = MoELayer(K, 32, E, 2, backend=backend, experts_path="fused", **MOE_CASES[case])
+    x = torch.randn(2, 6, K)
+    assert layer.experts.uses_fused_path(x.view(-1, K))
+    assert_compiled_matches_eager(layer, [x], list(layer.parameters()), compiler=compiler)
+
+
+# ExpertParallelMoELayer on a one-rank gloo group: the 'local' transport traces; 'all_to_all' (host-read counts)
+# is refused under compile.
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("capacity", [None, 48], ids=["default-capacity", "given-capacity"])
+def test_expert_parallel_local(one_rank_group, backend, compiler, capacity):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    torch.manual_seed(0)
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="local", capacity=capacity,
+                                   aux_loss_coeff=1e-2, shared_expert_ffn_hidden=16, backend=backend)
+    # The first (eager) forward of the helper sets the transport up before the compiled calls.
+    assert_compiled_matches_eager(layer, [torch.randn(2, 6, K)], list(layer.parameters()), compiler=compiler)
+    layer.check_overflow()  # outside the compiled region, as after capture
+
+
+def test_expert_parallel_all_to_all_is_refused_under_compile(one_rank_group):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="all_to_all", backend="torch")
+    x = torch.randn(12, K)
+    layer(x)  # sets the transport up
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape("transport='all_to_all') cannot run under torch.compile")):
+        torch.compile(layer, fullgraph=True, backend="eager")(x)
+
+
+def test_expert_parallel_first_forward_must_be_eager(one_rank_group):
+    from moe_grouped.parallel import ExpertParallelMoELayer
+
+    layer = ExpertParallelMoELayer(K, 32, E, 2, group=one_rank_group, transport="local", backend="torch")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="call the layer once before torch.compile traces it"):
+        torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(12, K))
+
+
+# GPU FP8: the core's quantize kernels and CUTLASS FP8 GEMMs (sm_90) behind the custom ops, under inductor.
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_gpu_fp8_grouped_linear(single_grouped_weight, fuse):
+    torch.manual_seed(0)
+    layer = _cuda_module(GroupedLinear(E, 128, 256, single_grouped_weight=single_grouped_weight,
+                                       fuse_wgrad_accumulation=fuse, backend="cuda"))
+    if fuse:
+        _with_main_grads(layer)
+    x = torch.randn(128, 128, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.tensor([40, 0, 72, 16], device="cuda")
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["E4M3"]), [x, m_splits], list(layer.parameters()),
+                                  compiler="inductor", **BF16)
+
+
+@pytest.mark.gpu
+@cuda_fp8
+@pytest.mark.parametrize("case", ["plain", "aux-shared", "capacity-probs"])
+def test_gpu_fp8_moe_layer(case):
+    torch.manual_seed(0)
+    layer = _cuda_module(MoELayer(128, 256, 8, 2, backend="cuda", **MOE_CASES[case]))
+    x = torch.randn(4, 64, 128, device="cuda", dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
+                                  compiler="inductor", **BF16)
+
+
+@pytest.mark.gpu
+@cuda_fp8
+def test_gpu_fp8_quantizers():
+    torch.manual_seed(0)
+    x = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(E, 128, 256, device="cuda", dtype=torch.bfloat16)
+    m_splits = torch.tensor([40, 0, 72, 16], device="cuda")
+
+    def quantize(x, w, m_splits):
+        both = fp8.quantize_grouped(x, m_splits, E4M3, dbias=True)
+        weights = fp8.quantize_weights_128x128(w, E4M3)
+        # Column-wise positions no expert owns are left unwritten by the kernel: compare the rest.
+        return (*_bits(fp8.quantize_rowwise(x, E4M3)), *_bits(both.rowwise), both.dbias, *_bits(weights.w),
+                *_bits(weights.wt))
+
+    assert_compiled_matches_eager(quantize, [x, w, m_splits], compiler="inductor", **EXACT)

@@ -15,6 +15,11 @@ products of the dequantized operands) differs from the kernels only by
 float32 summation order. Everything reads ``m_splits`` on the device only
 and can be captured in CUDA graphs (the reference cannot: it reads the splits
 on the host).
+
+The GEMMs are ``torch.library`` custom ops (``torch.ops.moe_grouped.fp8_grouped_*``,
+with fake implementations): the wrappers here check shapes, the ops hold the
+ctypes calls and the reference's host reads, so they trace under
+torch.compile with ``fullgraph=True``.
 """
 
 from __future__ import annotations
@@ -130,6 +135,21 @@ def grouped_fprop_fp8(
     _check_scales("w", w.scale_inv, (e, -(-n // BLOCK), -(-k // BLOCK)))
     if bias is not None and tuple(bias.shape) != (e, n):
         raise ValueError(f"bias must have shape {(e, n)}, got {tuple(bias.shape)}")
+    return torch.ops.moe_grouped.fp8_grouped_fprop(x.data, x.scale_inv, w.data, w.scale_inv, m_splits, bias, backend)
+
+
+@torch.library.custom_op("moe_grouped::fp8_grouped_fprop", mutates_args=())
+def _fprop_op(
+    x_data: torch.Tensor,
+    x_scale_inv: torch.Tensor,
+    w_data: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    m_splits: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    backend: str,
+) -> torch.Tensor:
+    x, w = BlockQuantized(x_data, x_scale_inv), BlockQuantized(w_data, w_scale_inv)
+    (m, k), (e, n, _) = x.data.shape, w.data.shape
     if backend == "reference":
         weights = torch.stack([dequantize_128x128(BlockQuantized(w.data[g], w.scale_inv[g])) for g in range(e)])
         y = _reference_rowwise(dequantize_1x128(x), weights.transpose(1, 2), host_splits(m_splits), n)
@@ -150,6 +170,11 @@ def grouped_fprop_fp8(
     return y
 
 
+@_fprop_op.register_fake
+def _(x_data, x_scale_inv, w_data, w_scale_inv, m_splits, bias, backend):
+    return x_data.new_empty(x_data.shape[0], w_data.shape[1], dtype=torch.bfloat16)
+
+
 def grouped_dgrad_fp8(
     dy: BlockQuantized, wt: BlockQuantized, m_splits: torch.Tensor, *, backend: str = "cuda"
 ) -> torch.Tensor:
@@ -162,6 +187,20 @@ def grouped_dgrad_fp8(
         raise ValueError(f"dy has {n} columns but the transposed weights are [E, K, N] = {tuple(wt.data.shape)}")
     _check_scales("dy", dy.scale_inv, (m, -(-n // BLOCK)))
     _check_scales("wt", wt.scale_inv, (e, -(-k // BLOCK), -(-n // BLOCK)))
+    return torch.ops.moe_grouped.fp8_grouped_dgrad(dy.data, dy.scale_inv, wt.data, wt.scale_inv, m_splits, backend)
+
+
+@torch.library.custom_op("moe_grouped::fp8_grouped_dgrad", mutates_args=())
+def _dgrad_op(
+    dy_data: torch.Tensor,
+    dy_scale_inv: torch.Tensor,
+    wt_data: torch.Tensor,
+    wt_scale_inv: torch.Tensor,
+    m_splits: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    dy, wt = BlockQuantized(dy_data, dy_scale_inv), BlockQuantized(wt_data, wt_scale_inv)
+    (m, n), (e, k, _) = dy.data.shape, wt.data.shape
     if backend == "reference":
         weights = torch.stack([dequantize_128x128(BlockQuantized(wt.data[g], wt.scale_inv[g])) for g in range(e)])
         return _reference_rowwise(dequantize_1x128(dy), weights.transpose(1, 2), host_splits(m_splits), k).to(
@@ -176,6 +215,11 @@ def grouped_dgrad_fp8(
         )
     )
     return dx
+
+
+@_dgrad_op.register_fake
+def _(dy_data, dy_scale_inv, wt_data, wt_scale_inv, m_splits, backend):
+    return dy_data.new_empty(dy_data.shape[0], wt_data.shape[1], dtype=torch.bfloat16)
 
 
 def grouped_wgrad_fp8(
@@ -216,18 +260,43 @@ def grouped_wgrad_fp8(
     out_dtype = targets[0].dtype
     if out_dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != out_dtype for t in targets):
         raise TypeError(f"wgrad outputs must all be float32 or all bfloat16, got {[t.dtype for t in targets]}")
+    torch.ops.moe_grouped.fp8_grouped_wgrad_(
+        dyt.data, dyt.scale_inv, xt.data, xt.scale_inv, m_splits, targets, total_rows, accumulate, backend
+    )
+
+
+@torch.library.custom_op("moe_grouped::fp8_grouped_wgrad_", mutates_args=("out",))
+def _wgrad_op(
+    dyt_data: torch.Tensor,
+    dyt_scale_inv: torch.Tensor,
+    xt_data: torch.Tensor,
+    xt_scale_inv: torch.Tensor,
+    m_splits: torch.Tensor,
+    out: list[torch.Tensor],
+    total_rows: int,
+    accumulate: bool,
+    backend: str,
+) -> None:
+    dyt, xt = BlockQuantized(dyt_data, dyt_scale_inv), BlockQuantized(xt_data, xt_scale_inv)
+    grouped = len(out) == 1 and out[0].dim() == 3
     if backend == "reference":
-        _reference_wgrad(dyt, xt, host_splits(m_splits), targets, grouped, accumulate)
+        _reference_wgrad(dyt, xt, host_splits(m_splits), out, grouped, accumulate)
         return
     lib = _require_core()
+    n, k, num_groups = dyt.data.shape[0], xt.data.shape[0], m_splits.shape[0]
     problem = _problem(dyt.data.device, m_splits, num_groups, total_rows, n, k, _core.SLOT_WGRAD)
     _core.check(
         lib.mg_grouped_fp8_wgrad(
             ctypes.byref(problem), _core_operand(dyt), _core_operand(xt),
-            cuda_backend._operand(targets), _core.dtype_code(out_dtype), int(bool(accumulate)),
-            _core.stream_handle(targets[0].device),
+            cuda_backend._operand(out), _core.dtype_code(out[0].dtype), int(bool(accumulate)),
+            _core.stream_handle(out[0].device),
         )
     )
+
+
+@_wgrad_op.register_fake
+def _(dyt_data, dyt_scale_inv, xt_data, xt_scale_inv, m_splits, out, total_rows, accumulate, backend):
+    return None
 
 
 def _reference_rowwise(a: torch.Tensor, b_kn: torch.Tensor, splits: list[int], n: int) -> torch.Tensor:

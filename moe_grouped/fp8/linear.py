@@ -10,6 +10,10 @@ the whole layer can be captured in a CUDA graph.
 Backends: ``cuda`` (the core's kernels, sm_90) and ``reference`` (the plain
 PyTorch quantizers and dequantize-then-multiply GEMMs: the numerics the
 kernels are checked against, on any device, slow and not capturable).
+
+Every quantize and GEMM is a ``torch.library`` custom op, so the layer traces
+under torch.compile (``fullgraph=True``); the one exception is the
+host-side weight cache of ``is_first_microbatch``, refused there.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from typing import Optional
 import torch
 
 from .. import _core
+from ..ops.common import num_groups_of
 from . import gemm
 from .quantize import quantize_grouped, quantize_weights_128x128
-from .quantize_reference import GroupedQuantized, WeightQuantized, quantize_grouped_1x128, quantize_grouped_128x128
+from .quantize_reference import BlockQuantized, GroupedQuantized, WeightQuantized
 from .recipe import Float8BlockScaling
 
 # The quantizers keep their per-group offsets here: a slot of their own, so
@@ -41,7 +46,7 @@ def check_supported(backend: str, x: torch.Tensor, n: int, k: int) -> None:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"FP8 GroupedLinear takes bfloat16 input and parameters, got {x.dtype}")
     if backend == "cuda":
-        major, minor = torch.cuda.get_device_capability(x.device)
+        major, minor = _capability(x.device)
         if (major, minor) != (9, 0):
             raise NotImplementedError(
                 f"FP8 block-scaled GEMMs need an sm_90 GPU (H100/H200); {x.device} is sm_{major}{minor}"
@@ -55,20 +60,20 @@ def check_supported(backend: str, x: torch.Tensor, n: int, k: int) -> None:
             )
 
 
+@torch.compiler.assume_constant_result
+def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability: fixed, so torch.compile may fold the host query."""
+    return torch.cuda.get_device_capability(device)
+
+
 def _quantize_tokens(x, m_splits, dtype, recipe: Float8BlockScaling, backend, *, rowwise, dbias) -> GroupedQuantized:
-    if backend == "reference":
-        return quantize_grouped_1x128(x, gemm.host_splits(m_splits), dtype, recipe.pow2_scales, recipe.amax_epsilon,
-                                      rowwise=rowwise, dbias=dbias)
     return quantize_grouped(x, m_splits, dtype, recipe.pow2_scales, recipe.amax_epsilon, rowwise=rowwise,
-                            dbias=dbias, workspace_slot=SLOT_QUANTIZE)
+                            dbias=dbias, workspace_slot=SLOT_QUANTIZE, backend=backend)
 
 
 def _quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose, out=None) -> WeightQuantized:
-    if backend == "reference":
-        return quantize_grouped_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
-                                        transpose=transpose)
     return quantize_weights_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
-                                    transpose=transpose, out=out)
+                                    transpose=transpose, out=out, backend=backend)
 
 
 class WeightCache:
@@ -124,14 +129,18 @@ class WeightCache:
 class Fp8GroupedLinearFunction(torch.autograd.Function):
     """y = x W_e^T (+ b_e) per expert in FP8; see the module docstring.
 
-    ``spec`` is GroupedLinear's ``_Spec``; ``grads_for`` turns (dyt, xt,
-    dbias) into parameter gradients (GroupedLinear decides where they go);
-    ``cached``: the weights already quantized (WeightCache), or None.
+    ``spec`` is GroupedLinear's ``_Spec``; ``delayed`` its queue of deferred
+    weight gradients; ``cached``: the weights already quantized
+    (WeightCache), or None. ``tensors``: the parameters, then (fused
+    accumulation) the weights' ``main_grad``s, passed as inputs (not saved:
+    other micro-batches accumulate into them first) so that torch.compile
+    traces the accumulation as a mutation of a graph input.
     """
 
     @staticmethod
-    def forward(ctx, x, m_splits, spec, recipe: Float8BlockScaling, delayed: collections.deque, grads_for,
-                cached: Optional[WeightQuantized], *params):
+    def forward(ctx, x, m_splits, spec, recipe: Float8BlockScaling, delayed: collections.deque,
+                cached: Optional[WeightQuantized], *tensors):
+        params, main_grads = tensors[: spec.num_params], tensors[spec.num_params :]
         weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
         bias = None
         if spec.has_bias:
@@ -145,36 +154,56 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         saved += [wq.wt.data, wq.wt.scale_inv] if need_dgrad else [None, None]
         saved += [xq.columnwise.data, xq.columnwise.scale_inv] if need_wgrad else [None, None]
         ctx.save_for_backward(*saved, *params)
-        ctx.spec, ctx.recipe, ctx.delayed, ctx.grads_for = spec, recipe, delayed, grads_for
+        ctx.main_grads = main_grads
+        ctx.spec, ctx.recipe, ctx.delayed = spec, recipe, delayed
         ctx.total_rows = x.shape[0]
         return y
 
     @staticmethod
     def backward(ctx, dy):
         m_splits, wt_data, wt_scale, xt_data, xt_scale, *params = ctx.saved_tensors
-        spec, recipe = ctx.spec, ctx.recipe
-        need_params = any(ctx.needs_input_grad[_PARAMS:])
+        spec, recipe, main_grads = ctx.spec, ctx.recipe, ctx.main_grads
+        weights, biases = params[: spec.num_weights], params[spec.num_weights :]
+        need_params = ctx.needs_input_grad[_PARAMS : _PARAMS + spec.num_params]
+        need_weights, need_biases = any(need_params[: spec.num_weights]), any(need_params[spec.num_weights :])
         dyq = _quantize_tokens(
             dy.contiguous(), m_splits, recipe.backward_dtype, recipe, spec.backend,
-            rowwise=ctx.needs_input_grad[0], dbias=spec.has_bias and need_params,
+            rowwise=ctx.needs_input_grad[0], dbias=spec.has_bias and need_biases,
         )
         dx = None
         if ctx.needs_input_grad[0]:
-            wt = type(dyq.columnwise)(wt_data, wt_scale)
-            dx = gemm.grouped_dgrad_fp8(dyq.rowwise, wt, m_splits, backend=spec.backend)
+            dx = gemm.grouped_dgrad_fp8(dyq.rowwise, BlockQuantized(wt_data, wt_scale), m_splits, backend=spec.backend)
         grads = [None] * len(params)
-        if need_params:
-            xt = type(dyq.columnwise)(xt_data, xt_scale)
-            job, grads_for = (dyq.columnwise, xt, dyq.dbias, m_splits, ctx.total_rows), ctx.grads_for
+        if need_weights or need_biases:
+            xt = BlockQuantized(xt_data, xt_scale) if need_weights else None
+            job = (spec, weights, biases, main_grads, dyq.columnwise, xt, dyq.dbias, m_splits, ctx.total_rows)
             if spec.delay_wgrad_compute:
-                ctx.delayed.append((list(params), lambda: grads_for(*job)))
+                ctx.delayed.append((list(params), lambda: param_grads(*job)))
             else:
-                grads = grads_for(*job)
-        return (dx, *([None] * (_PARAMS - 1)), *grads)
+                grads = param_grads(*job)
+        return (dx, *([None] * (_PARAMS - 1)), *grads, *([None] * len(main_grads)))
 
 
 # Fp8GroupedLinearFunction's inputs before the parameters.
-_PARAMS = 7
+_PARAMS = 6
+
+
+def param_grads(spec, weights, biases, main_grads, dyt, xt, dbias, m_splits, total_rows: int) -> list:
+    """Parameter gradients in parameter order (None for weights when ``xt`` is None).
+
+    With fused accumulation the weight gradients go into ``main_grads`` and
+    autograd gets None for them (GroupedLinear's forward set
+    ``grad_added_to_main_grad``, as Megatron expects).
+    """
+    weight_grads = [None] * len(weights)
+    if xt is not None and spec.fuse_wgrad_accumulation:
+        wgrad_into(dyt, xt, m_splits, total_rows, list(main_grads), accumulate=True, backend=spec.backend)
+    elif xt is not None:
+        w = weights[0]
+        grads = torch.empty(num_groups_of(weights), *w.shape[-2:], dtype=w.dtype, device=w.device)
+        wgrad_into(dyt, xt, m_splits, total_rows, [grads], accumulate=False, backend=spec.backend)
+        weight_grads = [grads] if w.dim() == 3 else list(grads.unbind(0))
+    return [*weight_grads, *bias_grads(dbias, biases)]
 
 
 def wgrad_into(dyt, xt, m_splits, total_rows: int, out: list, *, accumulate: bool, backend: str) -> None:

@@ -7,8 +7,14 @@ over each expert's tokens (see :func:`quantize_columnwise_grouped`);
 the tokens; :func:`quantize_weights_128x128` makes the 128x128 weight blocks
 and their transposed copy. All read ``m_splits`` only on the device and can
 be captured in CUDA graphs (run one eager call first: with dbias it sizes
-the workspace). On CPU tensors each falls back to the reference (which returns
-new tensors, zero where the kernels leave padding untouched, and ignores
+the workspace). On CPU tensors each runs the reference and copies its result
+(zero where the kernels leave padding untouched) into the buffers.
+
+Each quantizer is a ``torch.library`` custom op that writes into buffers
+(``torch.ops.moe_grouped.fp8_quantize_*_``, with fake implementations), so
+they trace under torch.compile (``fullgraph=True``): the ctypes calls and,
+on the reference path, the host read of the splits stay inside the ops.
+The wrappers here check arguments and allocate the buffers (or take
 ``out``).
 """
 
@@ -91,20 +97,52 @@ def quantize_rowwise(
     On CUDA tensors this runs the core's kernel; elsewhere the reference.
     """
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
-    if not x.is_cuda:
-        return quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon)
-    function = _core_function(x, "mg_quantize_rowwise_1x128")
-    config = _config(fp8_dtype, pow2_scales, amax_epsilon)
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     rows, cols = x.shape
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty(rows, -(-cols // BLOCK), dtype=torch.float32, device=x.device)
+    torch.ops.moe_grouped.fp8_quantize_rowwise_(
+        x, fp8_dtype, pow2_scales, float(amax_epsilon), data, scale_inv, _backend_of(x)
+    )
+    return BlockQuantized(data, scale_inv)
+
+
+def _backend_of(x: torch.Tensor, backend: Optional[str] = None) -> str:
+    if backend is None:
+        return "cuda" if x.is_cuda else "reference"
+    if backend not in ("cuda", "reference"):
+        raise ValueError(f"the FP8 quantizers' backend must be 'cuda', 'reference' or None, got {backend!r}")
+    return backend
+
+
+@torch.library.custom_op("moe_grouped::fp8_quantize_rowwise_", mutates_args=("data", "scale_inv"))
+def _quantize_rowwise_op(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool,
+    amax_epsilon: float,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    backend: str,
+) -> None:
+    if backend == "reference":
+        q = quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon)
+        data.copy_(q.data)
+        scale_inv.copy_(q.scale_inv)
+        return
+    function = _core_function(x, "mg_quantize_rowwise_1x128")
+    rows, cols = x.shape
     _core.check(
         function(
-            x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, config,
+            x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, _config(fp8_dtype, pow2_scales, amax_epsilon),
             data.data_ptr(), scale_inv.data_ptr(), _core.stream_handle(x.device),
         )
     )
-    return BlockQuantized(data, scale_inv)
+
+
+@_quantize_rowwise_op.register_fake
+def _(x, fp8_dtype, pow2_scales, amax_epsilon, data, scale_inv, backend):
+    return None
 
 
 def quantize_columnwise_grouped(
@@ -145,6 +183,7 @@ def quantize_grouped(
     dbias: bool = False,
     workspace_slot: int = _core.SLOT_WGRAD,
     out: Optional[GroupedQuantized] = None,
+    backend: Optional[str] = None,
 ) -> GroupedQuantized:
     """One pass over x [M, K]: the grouped column-wise copy, and optionally the
     row-wise copy and the per-expert column sums (dbias, float32 [E, K]).
@@ -154,7 +193,8 @@ def quantize_grouped(
     fixed order (see :func:`grouped_column_sums`), so it is deterministic.
     ``out`` reuses buffers; its fields must match ``rowwise`` and ``dbias``.
     Only dbias uses the workspace slot: per-block column sums and block
-    starts (4 * K * (ceil(M / 128) + E) + 8 * (E + 1) bytes).
+    starts (4 * K * (ceil(M / 128) + E) + 8 * (E + 1) bytes). ``backend``:
+    ``"cuda"`` or ``"reference"`` (any device); None picks by ``x``'s device.
     """
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     rows, cols = x.shape
@@ -166,15 +206,10 @@ def quantize_grouped(
         raise TypeError(f"m_splits must be a tensor or a list of ints, got {type(m_splits).__name__}")
     if num_groups < 1:
         raise ValueError(f"m_splits must be 1-D with one count per expert, got {m_splits!r}")
-    if not x.is_cuda:
-        # Read on the host here, so validated like host splits: they must cover every row.
-        counts = _checks.normalize_splits(m_splits, num_groups, rows, x.device).tolist()
-        _checks._check_split_values(counts, rows)
-        return quantize_grouped_1x128(x, counts, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, dbias=dbias)
-    name = "mg_quantize_rowwise_columnwise_grouped_1x128" if rowwise else "mg_quantize_columnwise_grouped_1x128"
-    function = _core_function(x, name)
-    config = _config(fp8_dtype, pow2_scales, amax_epsilon)
-    splits = _checks.normalize_splits(m_splits, num_groups, rows, x.device)
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
+    backend = _backend_of(x, backend)
+    # The reference reads the splits on the host (inside the op), so they must cover every row.
+    splits = _checks.normalize_splits(m_splits, num_groups, rows, x.device, backend=backend)
     if out is not None and ((out.rowwise is None) == rowwise or (out.dbias is None) == dbias):
         raise ValueError(
             f"out must have rowwise {'set' if rowwise else 'None'} and dbias {'set' if dbias else 'None'} "
@@ -195,13 +230,60 @@ def quantize_grouped(
     if dbias:
         sums = out.dbias if out is not None else torch.empty(num_groups, cols, dtype=torch.float32, device=x.device)
         _check_buffer("dbias", sums, (num_groups, cols), torch.float32, x.device)
-    head = (x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, splits.data_ptr(), _core.dtype_code(splits.dtype),
-            num_groups, config)
-    rowwise_args = (row_buffers.data.data_ptr(), row_buffers.scale_inv.data_ptr()) if rowwise else ()
-    tail = (columnwise.data.data_ptr(), columnwise.scale_inv.data_ptr(), None if sums is None else sums.data_ptr(),
+    torch.ops.moe_grouped.fp8_quantize_grouped_(
+        x, splits, fp8_dtype, pow2_scales, float(amax_epsilon), workspace_slot,
+        None if row_buffers is None else row_buffers.data, None if row_buffers is None else row_buffers.scale_inv,
+        columnwise.data, columnwise.scale_inv, sums, backend,
+    )
+    return GroupedQuantized(row_buffers, columnwise, sums)
+
+
+@torch.library.custom_op(
+    "moe_grouped::fp8_quantize_grouped_", mutates_args=("row_data", "row_scale_inv", "data", "scale_inv", "dbias")
+)
+def _quantize_grouped_op(
+    x: torch.Tensor,
+    m_splits: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool,
+    amax_epsilon: float,
+    workspace_slot: int,
+    row_data: Optional[torch.Tensor],
+    row_scale_inv: Optional[torch.Tensor],
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    dbias: Optional[torch.Tensor],
+    backend: str,
+) -> None:
+    rowwise = row_data is not None
+    if backend == "reference":
+        counts = [int(c) for c in m_splits.tolist()]
+        _checks._check_split_values(counts, x.shape[0])
+        q = quantize_grouped_1x128(
+            x, counts, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, dbias=dbias is not None
+        )
+        for buffer, value in ((data, q.columnwise.data), (scale_inv, q.columnwise.scale_inv), (dbias, q.dbias)):
+            if buffer is not None:
+                buffer.copy_(value)
+        if rowwise:
+            row_data.copy_(q.rowwise.data)
+            row_scale_inv.copy_(q.rowwise.scale_inv)
+        return
+    name = "mg_quantize_rowwise_columnwise_grouped_1x128" if rowwise else "mg_quantize_columnwise_grouped_1x128"
+    function = _core_function(x, name)
+    rows, cols = x.shape
+    head = (x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, m_splits.data_ptr(),
+            _core.dtype_code(m_splits.dtype), m_splits.shape[0], _config(fp8_dtype, pow2_scales, amax_epsilon))
+    rowwise_args = (row_data.data_ptr(), row_scale_inv.data_ptr()) if rowwise else ()
+    tail = (data.data_ptr(), scale_inv.data_ptr(), None if dbias is None else dbias.data_ptr(),
             _core.device_index(x.device), workspace_slot, _core.stream_handle(x.device))
     _core.check(function(*head, *rowwise_args, *tail))
-    return GroupedQuantized(row_buffers, columnwise, sums)
+
+
+@_quantize_grouped_op.register_fake
+def _(x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, workspace_slot, row_data, row_scale_inv, data, scale_inv,
+      dbias, backend):
+    return None
 
 
 def quantize_weights_128x128(
@@ -212,6 +294,7 @@ def quantize_weights_128x128(
     *,
     transpose: bool = True,
     out: Optional[WeightQuantized] = None,
+    backend: Optional[str] = None,
 ) -> WeightQuantized:
     """Grouped weights in 128x128 blocks: one [E, N, K] tensor (or ``[W]``),
     or E tensors [N, K] of one dtype.
@@ -221,7 +304,8 @@ def quantize_weights_128x128(
     transposed, for dgrad) and scale_inv [E, ceil(K / 128), ceil(N / 128)].
     Separate expert tensors are passed to the core as a device array of their
     addresses, cached by address: under CUDA graphs, quantize them eagerly once
-    before capturing (or use one [E, N, K] tensor).
+    before capturing (or use one [E, N, K] tensor). ``backend``: as in
+    :func:`quantize_grouped`.
     """
     experts = [weights] if isinstance(weights, torch.Tensor) else list(weights)
     if isinstance(weights, torch.Tensor) and weights.dim() != 3:
@@ -229,11 +313,8 @@ def quantize_weights_128x128(
     num_groups, n, k = _checks.check_weights(experts)
     if experts[0].dtype not in _INPUT_DTYPES:
         raise TypeError(f"weights must be float32, float16 or bfloat16, got {experts[0].dtype}")
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     device = experts[0].device
-    if not experts[0].is_cuda:
-        return quantize_grouped_128x128(experts, fp8_dtype, pow2_scales, amax_epsilon, transpose=transpose)
-    function = _core_function(experts[0], "mg_quantize_weight_128x128")
-    config = _config(fp8_dtype, pow2_scales, amax_epsilon)
     if out is not None and (out.wt is None) == transpose:
         raise ValueError(f"out.wt must be {'set' if transpose else 'None'} to match transpose={transpose}")
     row_tiles, col_tiles = -(-n // BLOCK), -(-k // BLOCK)
@@ -243,12 +324,48 @@ def quantize_weights_128x128(
     if transpose:
         wt = _block_buffers("wt", None if out is None else out.wt, (num_groups, k, n),
                             (num_groups, col_tiles, row_tiles), fp8_dtype, device)
-    _core.check(
-        function(
-            cuda_backend._operand(experts), _core.dtype_code(experts[0].dtype), num_groups, n, k, config,
-            w.data.data_ptr(), w.scale_inv.data_ptr(),
-            None if wt is None else wt.data.data_ptr(), None if wt is None else wt.scale_inv.data_ptr(),
-            _core.stream_handle(device),
-        )
+    torch.ops.moe_grouped.fp8_quantize_weights_(
+        experts, fp8_dtype, pow2_scales, float(amax_epsilon), w.data, w.scale_inv,
+        None if wt is None else wt.data, None if wt is None else wt.scale_inv, _backend_of(experts[0], backend),
     )
     return WeightQuantized(w, wt)
+
+
+@torch.library.custom_op(
+    "moe_grouped::fp8_quantize_weights_", mutates_args=("data", "scale_inv", "t_data", "t_scale_inv")
+)
+def _quantize_weights_op(
+    weights: list[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool,
+    amax_epsilon: float,
+    data: torch.Tensor,
+    scale_inv: torch.Tensor,
+    t_data: Optional[torch.Tensor],
+    t_scale_inv: Optional[torch.Tensor],
+    backend: str,
+) -> None:
+    transpose = t_data is not None
+    if backend == "reference":
+        q = quantize_grouped_128x128(weights, fp8_dtype, pow2_scales, amax_epsilon, transpose=transpose)
+        data.copy_(q.w.data)
+        scale_inv.copy_(q.w.scale_inv)
+        if transpose:
+            t_data.copy_(q.wt.data)
+            t_scale_inv.copy_(q.wt.scale_inv)
+        return
+    function = _core_function(weights[0], "mg_quantize_weight_128x128")
+    num_groups, n, k = data.shape
+    _core.check(
+        function(
+            cuda_backend._operand(weights), _core.dtype_code(weights[0].dtype), num_groups, n, k,
+            _config(fp8_dtype, pow2_scales, amax_epsilon), data.data_ptr(), scale_inv.data_ptr(),
+            t_data.data_ptr() if transpose else None, t_scale_inv.data_ptr() if transpose else None,
+            _core.stream_handle(data.device),
+        )
+    )
+
+
+@_quantize_weights_op.register_fake
+def _(weights, fp8_dtype, pow2_scales, amax_epsilon, data, scale_inv, t_data, t_scale_inv, backend):
+    return None

@@ -246,6 +246,11 @@ class ExpertParallelMoELayer(nn.Module):
                 "the expert-parallel transport is set up on the first forward, which must run eagerly "
                 "before capture (capture helpers' warm-up steps do)"
             )
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "the expert-parallel transport is set up on the first forward, which must run eagerly: "
+                "call the layer once before torch.compile traces it"
+            )
         if self.max_tokens is None:
             self.max_tokens = num_tokens
         elif num_tokens > self.max_tokens:
@@ -297,7 +302,14 @@ class ExpertParallelMoELayer(nn.Module):
             )
         tokens = x.reshape(-1, self.hidden).contiguous()
         self._ensure_transport(tokens)
-        capturing = tokens.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self.transport_name == "all_to_all" and torch.compiler.is_compiling():
+            # Its collectives read the counts on the host to size their buffers.
+            raise NotImplementedError(
+                "ExpertParallelMoELayer(transport='all_to_all') cannot run under torch.compile: it reads the "
+                "per-rank counts on the host. Use transport='local' (one rank) or 'symm_mem', or run eagerly"
+            )
+        # Under capture or compile the overflow check (a host read) is left to check_overflow().
+        capturing = torch.compiler.is_compiling() or (tokens.is_cuda and torch.cuda.is_current_stream_capturing())
         if self.user_capacity is not None and not capturing:
             self.check_overflow()
         routing = self.router(tokens)
