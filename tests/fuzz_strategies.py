@@ -228,3 +228,26 @@ def randn(gen: torch.Generator, *shape, dtype=torch.float32, device="cpu") -> to
 
 def generator(data) -> torch.Generator:
     return torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+
+
+def bounds(counts):
+    """(start, end) of each expert's rows for valid counts."""
+    start = 0
+    for count in counts:
+        yield start, start + count
+        start += count
+
+
+def check_splits_outcome(split: Splits, backend: str, error: Optional[BaseException], case: str) -> bool:
+    """Invalid splits: refused naming m_splits where they are read on the host. True if the call may go on."""
+    if split.valid:
+        expect_ok(error, case)
+        return True
+    if split.refused_everywhere() or backend == "reference":
+        expect_error(error, "m_splits", case=case)
+        return False
+    # A device tensor on a graph-safe backend is not read on the host: any
+    # result is allowed (the kernels clamp the counts), an error must name it.
+    if error is not None:
+        expect_error(error, "m_splits", case=case)
+    return False

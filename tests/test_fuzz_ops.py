@@ -9,16 +9,9 @@ from hypothesis import assume, strategies as st
 from moe_grouped import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets, swiglu
 
 from fuzz_strategies import (
-    assert_close, backends_for, coarser, call, expect_error, expect_ok, feature_dims, float_dtypes, fuzz_tests,
-    generator, num_experts, num_tokens, randn, splits,
+    assert_close, backends_for, bounds, call, check_splits_outcome, coarser, expect_error, expect_ok, feature_dims,
+    float_dtypes, fuzz_tests, generator, num_experts, num_tokens, randn, splits,
 )
-
-
-def bounds(counts):
-    start = 0
-    for count in counts:
-        yield start, start + count
-        start += count
 
 
 def draw_problem(data, device):
@@ -31,21 +24,6 @@ def draw_problem(data, device):
     split = data.draw(splits(rows, groups, device), label="m_splits")
     grouped = data.draw(st.booleans(), label="grouped weights") or groups > 64
     return backend, dtype, groups, rows, n, k, split, grouped
-
-
-def check_splits_outcome(split, backend, error, case):
-    """Invalid splits: refused naming m_splits where they are read on the host. True if the call may go on."""
-    if split.valid:
-        expect_ok(error, case)
-        return True
-    if split.refused_everywhere() or backend == "reference":
-        expect_error(error, "m_splits", case=case)
-        return False
-    # A device tensor on a graph-safe backend is not read on the host: any
-    # result is allowed (the kernels clamp the counts), an error must name it.
-    if error is not None:
-        expect_error(error, "m_splits", case=case)
-    return False
 
 
 def weights_for(gen, grouped, groups, n, k, dtype, device):
