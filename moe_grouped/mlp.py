@@ -82,11 +82,15 @@ class GroupedMLP(nn.Module):
         self, x: torch.Tensor, m_splits: _checks.SplitsLike, is_first_microbatch: Optional[bool] = None
     ) -> torch.Tensor:
         """``is_first_microbatch``: see :meth:`GroupedLinear.forward` (FP8 weight reuse)."""
+        # Checked before the path choice, which reads x's device and dtype.
+        _checks.check_tensor("x", x, dim=2)
         if self.uses_fused_path(x):
-            _checks.check_tensor("x", x, dim=2)
             if x.shape[1] != self.hidden:
                 raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
-            splits = _checks.normalize_splits(m_splits, self.num_experts, x.shape[0], x.device)
+            # With the backend, so that the reference backend validates device splits as GroupedLinear does.
+            splits = _checks.normalize_splits(
+                m_splits, self.num_experts, x.shape[0], x.device, backend=backends.resolve(self.fc1.backend, x.device)
+            )
             return self._fused(x, None, None, splits, self._plan(x, routed=False))
         hidden = self.fc1(x, m_splits, is_first_microbatch)
         return self.fc2(swiglu(hidden, backend=self.fc1.backend), m_splits, is_first_microbatch)

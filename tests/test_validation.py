@@ -150,6 +150,23 @@ def test_reference_backend_validates_tensor_splits(splits, error, message):
         ops.grouped_dbias(torch.randn(6, 4), splits, num_groups=3, backend="reference")
 
 
+@pytest.mark.parametrize("splits,error,message", BAD_TENSOR_SPLITS)
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_grouped_mlp_on_the_reference_backend_validates_tensor_splits_on_both_paths(splits, error, message, path):
+    # Found by tests/test_fuzz_layers.py: the fused path ran with such splits.
+    mlp = moe_grouped.GroupedMLP(3, 8, 4, backend="reference", experts_path=path)
+    with pytest.raises(error, match=message):
+        mlp(torch.randn(6, 8), splits)
+
+
+@pytest.mark.parametrize("path", [None, "fused", "unfused"])
+def test_grouped_mlp_refuses_a_non_tensor_x_naming_it(path):
+    # Found by tests/test_fuzz_layers.py: the default path choice read x.device first (AttributeError).
+    mlp = moe_grouped.GroupedMLP(3, 8, 4, backend="reference", experts_path=path)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        mlp([[0.0] * 8] * 6, [2, 2, 2])
+
+
 def test_reference_backend_takes_tensor_splits_covering_fewer_rows():
     # permute with a capacity leaves rows past sum(m_splits) that belong to no expert.
     layer = GroupedLinear(3, 8, 4, backend="reference")
