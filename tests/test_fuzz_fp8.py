@@ -156,7 +156,8 @@ def prop_quantize_grouped(data, device):
     groups = data.draw(num_experts(), label="E")
     rows = data.draw(st.one_of(num_tokens(), st.just(130)), label="rows")
     cols = data.draw(st.sampled_from(COLS), label="cols")
-    split = own_groups(data.draw(splits(rows, groups, device, allow_invalid=fault is None), label="m_splits"), rows)
+    allow_invalid = fault is None and data.draw(st.booleans(), label="invalid splits allowed")  # half: valid only
+    split = own_groups(data.draw(splits(rows, groups, device, allow_invalid=allow_invalid), label="m_splits"), rows)
     groups = len(split.counts)
     rowwise = data.draw(st.booleans(), label="rowwise")
     dbias = data.draw(st.booleans(), label="dbias")

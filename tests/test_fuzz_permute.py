@@ -145,7 +145,7 @@ def draw_routing(data, gen, device, backend, fault):
 
 def prop_permute_unpermute(data, device):
     backend = data.draw(st.sampled_from(permute_backends(device)), label="backend")
-    fault = data.draw(st.sampled_from([None] * 6 + list(PERMUTE_FAULTS)), label="permute fault")
+    fault = data.draw(st.sampled_from([None] * 13 + list(PERMUTE_FAULTS)), label="permute fault")
     debug = fault == "experts_out_of_range" and data.draw(st.booleans(), label="debug checks")
     gen = generator(data)
     tokens, experts, groups, top_k, options, probs = draw_routing(data, gen, device, backend, fault)
