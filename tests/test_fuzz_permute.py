@@ -209,8 +209,8 @@ def check_unpermute(data, gen, device, backend, row_id_map, want_map, rows, coun
     if fault == "row_id_map_int32":
         row_id_map = row_id_map.int()
     elif fault == "weights_dtype":
-        w = torch.rand(count, top_k, generator=gen).to(dtype=torch.bfloat16 if dtype == torch.float64 else torch.float64,
-                                                       device=device)
+        wrong = torch.bfloat16 if dtype == torch.float64 else torch.float64  # neither float32 nor permuted's
+        w = torch.rand(count, top_k, generator=gen).to(dtype=wrong, device=device)
     elif fault == "top_k_mismatch":
         w = torch.rand(count, top_k, generator=gen).to(device)
         top_k_arg = top_k + 1
