@@ -21,7 +21,7 @@ from moe_grouped import GroupedLinear, GroupedMLP, MoELayer, activation
 from moe_grouped import permute as permute_module
 
 from fuzz_strategies import (
-    assert_close, backends_for, bounds, call, check_splits_outcome, expect_error, expect_ok, feature_dims,
+    assert_close, backends_for, bounds, call, check_splits_outcome, coarser, expect_error, expect_ok, feature_dims,
     float_dtypes, fuzz_tests, generator, num_experts, num_tokens, randn, splits,
 )
 
@@ -105,13 +105,21 @@ def linear64(x, weights, biases, e):
     return y if biases is None else y + biases[e]
 
 
-def check_grads(module, params: dict, x, x64, loss64, dtype, case):
-    """x.grad and every parameter's gradient against the float64 autograd of ``loss64``."""
+def check_grads(module, params: dict, x, x64, loss64, dtype, case, accumulated=None):
+    """x.grad and every parameter's gradient against the float64 autograd of ``loss64``.
+
+    ``accumulated``: {name: float32 gradient} for the weights whose gradient went into ``main_grad``.
+    """
     inputs = [x64, *params.values()]
     grads = torch.autograd.grad(loss64, inputs, allow_unused=True)
     grads = [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
     assert_close(x.grad, grads[0].reshape(x.shape), dtype, f"dx: {case}")
     for (name, param), expected in zip(module.named_parameters(), grads[1:]):
+        if accumulated and name in accumulated:
+            assert param.grad is None, f"{name} has .grad besides main_grad: {case}"
+            assert accumulated[name].dtype == torch.float32, f"main_grad of {name}: {case}"
+            assert_close(accumulated[name], expected, coarser(dtype, torch.float32), f"main_grad of {name}: {case}")
+            continue
         got = torch.zeros_like(param) if param.grad is None else param.grad  # unused: no gradient
         assert got.shape == param.shape and got.dtype == param.dtype, f"{name}: {case}"
         assert_close(got, expected, dtype, f"grad of {name}: {case}")
@@ -121,15 +129,29 @@ def prop_grouped_linear(data, device):
     backend, dtype, groups, rows, fault, split, grouped, bias = draw_layer_problem(data, device, mlp=False)
     n = data.draw(feature_dims(backend), label="out_features")
     k = data.draw(feature_dims(backend), label="in_features")
+    wgrad = data.draw(st.sampled_from(["plain", "fuse_wgrad_accumulation", "delay_wgrad_compute"]), label="wgrad")
+    # On a GPU, tensor splits sometimes stay on the host: validated there like a list.
+    host = device != "cpu" and split.is_tensor and data.draw(st.booleans(), label="host m_splits")
     gen = generator(data)
     layer = GroupedLinear(groups, k, n, bias=bias, single_grouped_weight=grouped, dtype=dtype, device=device,
-                          backend=backend)
+                          backend=backend, fuse_wgrad_accumulation=wgrad == "fuse_wgrad_accumulation",
+                          delay_wgrad_compute=wgrad == "delay_wgrad_compute")
     randomize(layer, gen)
+    names = [name for name, p in layer.named_parameters() if name.startswith("weight")]
+    starts = {}
+    if wgrad == "fuse_wgrad_accumulation":  # Megatron's fp32 main_grad buffers, with something already in them
+        for name, weight in zip(names, layer.weights()):
+            starts[name] = randn(gen, *weight.shape, device=device)
+            weight.main_grad = starts[name].clone()
     x = randn(gen, rows, k, dtype=dtype, device=device).requires_grad_(True)
-    case = f"{backend=} {dtype=} E={groups} M={rows} {n=} {k=} {split.kind=} {grouped=} {bias=} {fault=}"
-    y, error = call(lambda: layer(spoil_x(x, fault), split.value))
+    case = (f"{backend=} {dtype=} E={groups} M={rows} {n=} {k=} {split.kind=} {host=} {grouped=} {bias=} {wgrad=} "
+            f"{fault=}")
+    y, error = call(lambda: layer(spoil_x(x, fault), split.value.cpu() if host else split.value))
     if fault is not None:
         expect_error(error, *X_FAULTS[fault], case=case)
+        return
+    if host and not split.valid:
+        expect_error(error, "m_splits", case=case)
         return
     if not check_splits_outcome(split, backend, error, case):
         return
@@ -141,7 +163,11 @@ def prop_grouped_linear(data, device):
     assert_close(y, y64, dtype, case)
     dy = randn(gen, rows, n, dtype=dtype, device=device)
     y.backward(dy)
-    check_grads(layer, params, x, x64, (y64 * dy.cpu().double()).sum(), dtype, case)
+    if wgrad == "delay_wgrad_compute":
+        assert all(p.grad is None for p in layer.parameters()), f"parameter gradients before backward_dw: {case}"
+        layer.backward_dw()
+    accumulated = {name: layer.get_parameter(name).main_grad - start for name, start in starts.items()}
+    check_grads(layer, params, x, x64, (y64 * dy.cpu().double()).sum(), dtype, case, accumulated)
 
 
 def swiglu64(h):
