@@ -218,6 +218,8 @@ MOE_FAULTS = {
     "capacity_factor": ("init", "capacity_factor"),
     "aux_loss_coeff": ("init", "aux_loss_coeff"),
     "experts_path": ("init", "experts_path"),
+    "score_function": ("init", "score_function"),
+    "n_group": ("init", "n_group"),
     "x_hidden": ("forward", "x must have shape"),
     "x_4d": ("forward", "x must have shape"),
     "x_dtype": ("forward", "dtype"),
@@ -244,14 +246,25 @@ def moe_oracle(layer: MoELayer, params: dict, x64, experts, kept, aux_coeff, z_c
     """(output, loss terms of the router) in float64 per-token loops, with the layer's routing choices."""
     w1, b1 = per_expert(layer.experts.fc1, params, "experts.fc1.")
     w2, b2 = per_expert(layer.experts.fc2, params, "experts.fc2.")
-    gate = params["router.weight"]
+    router = layer.router
     tokens = x64.reshape(-1, layer.hidden)
-    logits = tokens @ gate.t()
-    probs = torch.softmax(logits, dim=-1)
+    logits = tokens @ params["router.weight"].t()
+    if router.score_function == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        probs = torch.softmax(logits, dim=-1)
+        scores = logits if router.topk_before_softmax else probs
     rows = []
     for t, choice in enumerate(experts):
-        chosen = probs[t, choice]
-        weights = chosen / chosen.sum()
+        selected = scores[t, choice]  # never the selection bias
+        if router.topk_before_softmax:
+            weights = torch.softmax(selected, dim=0)
+        elif router.normalize_topk:
+            weights = selected / (selected.sum() + 1e-20)
+        else:
+            weights = selected
+        weights = weights * router.scaling_factor
         y = torch.zeros(layer.hidden, dtype=torch.float64)
         for j, e in enumerate(choice):
             if kept[t][j]:
@@ -289,8 +302,18 @@ def prop_moe_layer(data, device):
     shape = data.draw(st.sampled_from(["2d", "3d"]), label="x shape")
     count = data.draw(num_tokens(), label="T")
     fault = data.draw(st.sampled_from([None] * 8 + list(MOE_FAULTS)), label="fault")
+    score = data.draw(st.sampled_from(["softmax", "sigmoid"]), label="score_function")
+    router = dict(
+        score_function=score,
+        topk_before_softmax=score == "softmax" and data.draw(st.booleans(), label="topk_before_softmax"),
+        normalize_topk=data.draw(st.booleans(), label="normalize_topk"),
+        scaling_factor=data.draw(st.sampled_from([1.0, 2.5]), label="scaling_factor"),
+        expert_bias=data.draw(st.booleans(), label="expert_bias"),
+    )
+    if groups % 2 == 0 and data.draw(st.booleans(), label="group-limited routing"):
+        router.update(n_group=2, topk_group=1 if groups // 2 >= top_k else 2)
     options = dict(
-        shared_expert_ffn_hidden=shared, aux_loss_coeff=aux_coeff, z_loss_coeff=z_coeff,
+        router_options=router, shared_expert_ffn_hidden=shared, aux_loss_coeff=aux_coeff, z_loss_coeff=z_coeff,
         capacity_factor=capacity_factor, drop_policy=policy, pad_to_capacity=pad, bias=bias,
         single_grouped_weight=grouped, dtype=dtype, device=device, backend=backend, experts_path=path,
     )
@@ -305,6 +328,10 @@ def prop_moe_layer(data, device):
         options["aux_loss_coeff"] = -1.0
     elif fault == "experts_path":
         options["experts_path"] = "fast"
+    elif fault == "score_function":
+        router["score_function"] = "relu"
+    elif fault == "n_group":
+        router.update(n_group=1, topk_group=None)
     case = f"{backend=} {dtype=} E={groups} {top_k=} T={count} {shape} {hidden=} {ffn=} {fault=} " + ", ".join(
         f"{key}={value}" for key, value in options.items() if key not in ("dtype", "device", "backend")
     )
@@ -315,6 +342,8 @@ def prop_moe_layer(data, device):
     expect_ok(error, case)
     gen = generator(data)
     randomize(layer, gen)
+    if layer.router.expert_bias is not None:  # as after some update_bias() steps: moves the selection only
+        layer.router.expert_bias.copy_(torch.randn(groups, generator=gen) / 4)
     leading = (count,) if shape == "2d" else (1, count) if count % 2 else (2, count // 2)
     x = randn(gen, *leading, hidden, dtype=dtype, device=device).requires_grad_(True)
     given = x
@@ -336,6 +365,9 @@ def prop_moe_layer(data, device):
     routing = layer.last_routing
     experts = routing.experts.cpu().tolist()
     assert all(0 <= e < groups for choice in experts for e in choice), case
+    assert all(len(set(choice)) == top_k for choice in experts), f"an expert chosen twice: {case}"
+    if "n_group" in router:  # each token's experts come from its topk_group best groups
+        assert all(len({e // (groups // 2) for e in choice}) <= router["topk_group"] for choice in experts), case
     kept = kept_copies(experts, routing.weights.float().cpu().tolist(), groups, top_k, capacity_factor, policy)
     params = {name: leaf64(p) for name, p in layer.named_parameters()}
     x64 = leaf64(x)
