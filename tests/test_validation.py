@@ -106,6 +106,15 @@ def test_torch_backend_refuses_more_experts_than_grouped_mm_takes_on_cuda(rows):
     torch.testing.assert_close(y.float(), (x.float() @ w[5].float().t()) if rows else y.float(), atol=0.1, rtol=0.02)
 
 
+@pytest.mark.gpu
+def test_splits_to_offsets_device_cuda_takes_splits_on_the_current_gpu():
+    """Found by the GPU fuzz: device='cuda' was compared unequal to the splits' cuda:0."""
+    m_splits = torch.tensor([2, 0, 3], device="cuda")
+    for splits in (m_splits, [2, 0, 3]):
+        offsets = ops.splits_to_offsets(splits, 5, device="cuda", backend="torch")
+        assert offsets.device == m_splits.device and offsets.tolist() == [0, 2, 2, 5]
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         GroupedLinear(2, 8, 4, backend="cublas")
