@@ -129,6 +129,8 @@ def normalize_splits(
     buffer (``permute`` with a capacity: the rows past the sum belong to no
     expert).
     """
+    if device.type == "cuda" and device.index is None:  # device="cuda" names the current GPU (cuda:0 != cuda)
+        device = torch.device("cuda", torch.cuda.current_device())
     if isinstance(m_splits, torch.Tensor) and m_splits.device == device:
         _check_split_tensor(m_splits, num_groups)
         if _debug_checks or backend == "reference":

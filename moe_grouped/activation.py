@@ -56,11 +56,14 @@ def swiglu(h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
         raise ValueError(
             f"h must have an even last dimension ([..., 2 * ffn]: gate and up), got shape {tuple(h.shape)}"
         )
-    if resolve_backend(backend, h.device) != "cuda":
+    on_cuda = resolve_backend(backend, h.device) == "cuda"
+    if on_cuda and h.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"the cuda SwiGLU kernels take float32, float16 or bfloat16, got {h.dtype}")
+    # An empty h has nothing to compute: the composed ops give the (empty, differentiable) result,
+    # where the kernel's [-1, width] view of zero elements would be ambiguous.
+    if not on_cuda or h.numel() == 0:
         gate, up = h.chunk(2, dim=-1)
         return nn.functional.silu(gate) * up
-    if h.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"the cuda SwiGLU kernels take float32, float16 or bfloat16, got {h.dtype}")
     flat = h.reshape(-1, h.shape[-1])
     return torch.ops.moe_grouped.swiglu(flat).reshape(*h.shape[:-1], h.shape[-1] // 2)
 

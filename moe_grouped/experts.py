@@ -98,11 +98,9 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
     """
     if not needed:
         return [None] * len(weights)
-    main_grads = []
-    if spec.fuse_wgrad_accumulation:
-        main_grads = _main_grads(weights)
-        for weight in weights:
-            weight.grad_added_to_main_grad = True
+    # grad_added_to_main_grad was set in forward (GroupedMLP._fused): an attribute
+    # written in backward is a side effect torch.compile cannot trace.
+    main_grads = _main_grads(weights) if spec.fuse_wgrad_accumulation else []
     if spec.delay_wgrad_compute:
         delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)))
         return [None] * len(weights)

@@ -162,6 +162,11 @@ class GroupedMLP(nn.Module):
         if tokens.dtype != weight.dtype:
             raise TypeError(f"x has dtype {tokens.dtype} but the layer's parameters are {weight.dtype}")
         _checks.check_same_device("the layer's parameters", weight, x=tokens)
+        if torch.is_grad_enabled():
+            for layer in (self.fc1, self.fc2):
+                if layer.fuse_wgrad_accumulation:
+                    for w in layer.weights():
+                        w.grad_added_to_main_grad = True  # backward adds into main_grad, as Megatron expects
         return FusedExpertsFunction.apply(
             tokens, probs, row_id_map, m_splits, plan, self.fc1._delayed, self.fc2._delayed,
             *self.fc1.weights(), *self.fc2.weights(),

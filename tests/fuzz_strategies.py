@@ -238,8 +238,23 @@ def bounds(counts):
         start += count
 
 
-def check_splits_outcome(split: Splits, backend: str, error: Optional[BaseException], case: str) -> bool:
-    """Invalid splits: refused naming m_splits where they are read on the host. True if the call may go on."""
+def gemm_refused(backend: str, device: str, groups: int) -> bool:
+    """The torch backend on CUDA refuses more experts than torch._grouped_mm takes."""
+    from moe_grouped.ops.torch_backend import MAX_CUDA_GROUPS
+
+    return backend == "torch" and device != "cpu" and groups > MAX_CUDA_GROUPS
+
+
+def check_splits_outcome(
+    split: Splits, backend: str, error: Optional[BaseException], case: str, *, too_many_groups: bool = False
+) -> bool:
+    """Invalid splits: refused naming m_splits where they are read on the host. True if the call may go on.
+
+    ``too_many_groups``: more experts than the backend takes (torch._grouped_mm on CUDA), refused naming m_splits.
+    """
+    if too_many_groups:
+        expect_error(error, "m_splits", case=case)
+        return False
     if split.valid:
         expect_ok(error, case)
         return True

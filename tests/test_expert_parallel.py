@@ -387,7 +387,9 @@ def test_gpu_ep_size_1_equals_moe_layer(one_rank_group):
     backend = gpu_backend()
     torch.manual_seed(3)
     options = dict(single_grouped_weight=True, dtype=torch.bfloat16, device="cuda", backend=backend)
-    ref = MoELayer(64, 96, 8, 2, **options)
+    # The EP layer runs the experts unfused (permute, GroupedMLP, unpermute); so does the reference here, since
+    # the fused path's float32 routing-weight gradient rounds differently (calc_diff ~1e-5 on dx).
+    ref = MoELayer(64, 96, 8, 2, experts_path="unfused", **options)
     ep = ExpertParallelMoELayer(64, 96, 8, 2, transport="local", **options).load_from(ref)
     x = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
     dout = torch.randn_like(x)

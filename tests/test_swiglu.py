@@ -125,6 +125,18 @@ def test_cuda_empty_input():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3, 0)], ids=str)
+def test_cuda_zero_width_input(shape):
+    """Found by the GPU fuzz: a last dimension of 0 made the kernel's [-1, 0] view ambiguous."""
+    require_cuda_kernels()
+    h = torch.empty(shape, device="cuda", requires_grad=True)
+    out = swiglu(h, backend="cuda")
+    assert out.shape == shape
+    out.sum().backward()
+    assert h.grad.shape == shape
+
+
+@pytest.mark.gpu
 def test_cuda_replays_in_a_graph_with_new_inputs():
     require_cuda_kernels()
     static_h = torch.randn(256, 2 * 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)

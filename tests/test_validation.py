@@ -90,6 +90,31 @@ def test_wrong_device():
         GroupedLinear(2, 8, 4, backend="torch")(torch.randn(4, 8), torch.tensor([2, 2], device="cuda"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [0, 3])
+def test_torch_backend_refuses_more_experts_than_grouped_mm_takes_on_cuda(rows):
+    """Found by the GPU fuzz: torch._grouped_mm raised its own error for 1024 groups and took zero rows."""
+    x, w = torch.randn(rows, 8, device="cuda", dtype=torch.bfloat16), torch.randn(1024, 8, 8, device="cuda",
+                                                                                    dtype=torch.bfloat16)
+    m_splits = torch.zeros(1024, dtype=torch.int64, device="cuda")
+    m_splits[5] = rows
+    with pytest.raises(ValueError, match="at most 1023 experts on CUDA; m_splits holds 1024"):
+        ops.grouped_fprop(x, [w], m_splits, backend="torch")
+    with pytest.raises(ValueError, match="at most 1023 experts"):
+        ops.grouped_wgrad(x, x, m_splits, num_groups=1024, backend="torch")
+    y = ops.grouped_fprop(x, [w[:1023]], m_splits[:1023], backend="torch")  # 1023 runs
+    torch.testing.assert_close(y.float(), (x.float() @ w[5].float().t()) if rows else y.float(), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.gpu
+def test_splits_to_offsets_device_cuda_takes_splits_on_the_current_gpu():
+    """Found by the GPU fuzz: device='cuda' was compared unequal to the splits' cuda:0."""
+    m_splits = torch.tensor([2, 0, 3], device="cuda")
+    for splits in (m_splits, [2, 0, 3]):
+        offsets = ops.splits_to_offsets(splits, 5, device="cuda", backend="torch")
+        assert offsets.device == m_splits.device and offsets.tolist() == [0, 2, 2, 5]
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend must be one of"):
         GroupedLinear(2, 8, 4, backend="cublas")

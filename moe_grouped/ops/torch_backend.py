@@ -30,6 +30,19 @@ def _check_row_bytes(dtype: torch.dtype, **features: int) -> None:
         )
 
 
+# torch._grouped_mm on CUDA launches one thread per group in a single block and refuses 1024 or more.
+MAX_CUDA_GROUPS = 1023
+
+
+def _check_group_count(m_splits: torch.Tensor) -> None:
+    """Refused with or without rows, so a layer does not start failing when tokens arrive."""
+    if m_splits.is_cuda and m_splits.shape[0] > MAX_CUDA_GROUPS:
+        raise ValueError(
+            f"backend 'torch' (torch._grouped_mm) takes at most {MAX_CUDA_GROUPS} experts on CUDA; m_splits "
+            f"holds {m_splits.shape[0]} counts: use backend='cuda'"
+        )
+
+
 def _offs(m_splits: torch.Tensor, total_rows: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     if dtype == torch.float32 and m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
         # torch._grouped_mm's float32 path copies the offsets to the host.
@@ -54,6 +67,7 @@ def fprop(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
+    _check_group_count(m_splits)
     w = stacked(weights)
     _check_row_bytes(x.dtype, out_features=w.shape[1], in_features=w.shape[2])
     if x.shape[0] == 0:  # torch._grouped_mm refuses an empty operand; the row count is static
@@ -67,6 +81,7 @@ def fprop(
 def dgrad(
     dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
+    _check_group_count(m_splits)
     _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=stacked(weights).shape[2])
     if dy.shape[0] == 0:  # torch._grouped_mm refuses an empty operand
         return dy.new_zeros(0, stacked(weights).shape[2], dtype=out_dtype)
@@ -81,6 +96,7 @@ def wgrad(
     out: Sequence[torch.Tensor],
     accumulate: bool,
 ) -> None:
+    _check_group_count(m_splits)
     _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=x.shape[1])
     if dy.shape[0] == 0:  # no rows: every expert's gradient is zero (torch._grouped_mm refuses them)
         grads = dy.new_zeros(m_splits.shape[0], dy.shape[1], x.shape[1])
