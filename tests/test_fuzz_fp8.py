@@ -212,7 +212,10 @@ def prop_quantize_weights(data, device):
     gen = generator(data)
     w = (torch.randn(groups, n, k, generator=gen) * 10.0 ** (torch.rand(groups, 1, 1, generator=gen) * 4 - 2))
     w = w.to(dtype=dtype, device=device)
-    given = list(w.unbind(0)) if as_list else w
+    # Views of one [E, N, K] tensor start wherever N*K lands them; separate
+    # copies are fresh (aligned) allocations.
+    views = data.draw(st.booleans(), label="list of views") if as_list else False
+    given = (list(w.unbind(0)) if views else [t.clone() for t in w.unbind(0)]) if as_list else w
     if fault == "weights_2d":
         given = w[0]
     elif fault == "weights_dtype":
@@ -222,10 +225,13 @@ def prop_quantize_weights(data, device):
     elif fault == "empty":
         given = []
     backend = "reference" if device == "cpu" else "cuda"
-    case = f"{device=} {dtype=} E={groups} {n=} {k=} {as_list=} {transpose=} {fault=} {options}"
+    case = f"{device=} {dtype=} E={groups} {n=} {k=} {as_list=} {views=} {transpose=} {fault=} {options}"
     q, error = call(lambda: fp8.quantize_weights_128x128(given, transpose=transpose, backend=backend, **options))
     if fault is not None:
         expect_error(error, WEIGHT_FAULTS.get(fault, fault), case=case)
+        return
+    if backend == "cuda" and as_list and any(t.data_ptr() % 16 for t in given):
+        expect_error(error, "16-byte aligned", case=case)  # TMA's rule, refused by name
         return
     expect_ok(error, case)
     tiles = (-(-n // fp8.BLOCK), -(-k // fp8.BLOCK))

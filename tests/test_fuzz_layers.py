@@ -11,6 +11,7 @@ the same oracle.
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import torch
@@ -18,12 +19,14 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from moe_grouped import GroupedLinear, GroupedMLP, MoELayer, activation
-from moe_grouped import permute as permute_module
 
 from fuzz_strategies import (
     assert_close, backends_for, bounds, call, check_splits_outcome, coarser, expect_error, expect_ok, feature_dims,
     float_dtypes, fuzz_tests, gemm_refused, generator, num_experts, num_tokens, randn, splits,
 )
+
+# moe_grouped.permute is also the name of the function the package exports.
+permute_module = importlib.import_module("moe_grouped.permute")
 
 # x faults of GroupedLinear / GroupedMLP: what the error must name.
 X_FAULTS = {
