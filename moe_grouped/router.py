@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import _checks
-from .ops.common import compute_dtype
+from .router_gemm import router_logits
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -115,7 +115,8 @@ class Router(nn.Module):
 
     ``forward(x)`` takes ``x`` of shape [T, hidden] and returns a
     :class:`RoutingOutput`. Logits are computed in float32 (float64 for
-    float64 input), whatever the gate's dtype.
+    float64 input), whatever the gate's dtype (bf16 on CUDA: on tensor cores
+    with float32 accumulation, see :mod:`moe_grouped.router_gemm`).
 
     Args:
         hidden: input features.
@@ -210,8 +211,7 @@ class Router(nn.Module):
         if x.shape[1] != self.hidden:
             raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
         _checks.check_same_device("the router's weight", self.weight, x=x)
-        acc = compute_dtype(x.dtype)
-        logits = nn.functional.linear(x.to(acc), self.weight.to(acc))
+        logits = router_logits(x, self.weight)
         weights, experts, probs = self._select(logits)
         counts = tokens_per_expert(experts, self.num_experts)
         if self.tokens_since_update is not None and self.training:

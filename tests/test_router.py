@@ -7,6 +7,7 @@ import torch
 
 from moe_grouped import Router
 from moe_grouped.router import tokens_per_expert
+from moe_grouped.router_gemm import _split_bf16, router_logits
 
 
 def router_with_logits(num_experts, top_k, **options):
@@ -150,3 +151,53 @@ def test_invalid_configurations_are_refused(options, message):
 def test_update_bias_without_bias_is_refused():
     with pytest.raises(RuntimeError, match="expert_bias=True"):
         Router(8, 4, 1).update_bias(torch.zeros(4))
+
+
+def test_gate_gradient_split_keeps_sixteen_bits():
+    """The backward's bf16 ``[hi | lo]`` halves sum back to the float32 gradient within 2^-16."""
+    gen = torch.Generator().manual_seed(0)
+    d = torch.randn(64, 32, generator=gen) * 10.0 ** torch.randint(-30, 30, (64, 32), generator=gen)
+    halves = _split_bf16(d)
+    assert halves.dtype == torch.bfloat16 and halves.shape == (64, 64)
+    rebuilt = halves[:, :32].double() + halves[:, 32:].double()
+    assert bool(((rebuilt - d.double()).abs() <= d.double().abs() * 2.0**-16).all())
+    # hi alone is bf16's 8 bits: the lo half is what carries the rest.
+    assert bool(((halves[:, :32].double() - d.double()).abs() > d.double().abs() * 2.0**-16).any())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,hidden,experts", [(1, 8, 4), (257, 2048, 128), (4096, 1024, 64), (33, 4096, 8)])
+def test_bf16_gate_on_tensor_cores_matches_float64(tokens, hidden, experts):
+    """bf16 gate on CUDA: float32 logits and bf16 gradients as exact as the float32 GEMMs they replace."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16().requires_grad_(True)
+    w = (torch.randn(experts, hidden, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_(True)
+    # Gradients over six decades, as softmax/aux-loss gradients are.
+    d = torch.randn(tokens, experts, device="cuda", generator=gen)
+    d = d * 10.0 ** (torch.rand(tokens, experts, device="cuda", generator=gen) * 6 - 5)
+    logits = router_logits(x, w)
+    assert logits.dtype == torch.float32
+    logits.backward(d)
+    x64, w64, d64 = x.detach().double(), w.detach().double(), d.double()
+    # float32 accumulation of exact products: far below 2^-16 of the magnitude.
+    bound = x64.abs() @ w64.abs().t() * 2.0**-16
+    assert bool(((logits.double() - x64 @ w64.t()).abs() <= bound).all())
+    for name, grad, want, magnitude in (
+        ("x", x.grad, d64 @ w64, d64.abs() @ w64.abs()),
+        ("weight", w.grad, d64.t() @ x64, d64.abs().t() @ x64.abs()),
+    ):
+        assert grad.dtype == torch.bfloat16
+        # One rounding to bf16 (2^-8 relative) plus the split's 2^-16 of the magnitude.
+        error = (grad.double() - want).abs()
+        assert bool((error <= want.abs() * 2.0**-8 + magnitude * 2.0**-15).all()), f"d{name}: {error.max():.3g}"
+
+
+@pytest.mark.gpu
+def test_router_forward_uses_the_float32_gate_numbers_on_cuda():
+    """The router's bf16 logits on CUDA equal the float32 linear of the same bf16 values (to fp32 rounding)."""
+    torch.manual_seed(0)
+    router = Router(512, 16, 2, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(300, 512, device="cuda").bfloat16()
+    out = router(x)
+    want = torch.nn.functional.linear(x.float(), router.weight.float())
+    torch.testing.assert_close(out.logits, want, rtol=1e-5, atol=1e-5)

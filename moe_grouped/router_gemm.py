@@ -1,0 +1,68 @@
+"""The router's gate GEMM, ``logits = x W^T`` in float32, on tensor cores for bf16.
+
+The router wants float32 logits (top-k ties and softmax are sensitive to
+rounding), and ``linear(x.float(), W.float())`` gives them but runs three
+float32 GEMMs on CUDA cores: on an H100, 0.57 ms of a 9.3 ms fwd+bwd step of
+a Qwen3-30B-like layer (T=16384, H=2048, E=128). With bf16 ``x`` and ``W``
+the tensor cores do the same work with the same accuracy:
+
+- forward: ``mm(x, W^T, out_dtype=float32)``. bf16 times bf16 is exact in
+  float32 and the products are summed in float32, which is what the float32
+  GEMM of the converted operands computes (up to summation order).
+- backward: the logits' gradient ``d`` is float32. It is split as
+  ``d = hi + lo`` with ``hi = bf16(d)`` and ``lo = bf16(d - hi)`` (16
+  significant bits, relative error below 2^-16), and the two halves go
+  through one bf16 GEMM each way with float32 accumulation:
+  ``dx = [hi | lo] [W; W]`` and ``dW = [hi | lo]^T x`` (the two [E, H]
+  halves added in float32). ``dx`` and ``dW`` are bf16, 8 significant bits,
+  so what the split drops is 256 times below their own rounding.
+
+Other dtypes (float16, whose range the split could underflow; float32;
+float64) and CPU tensors use ``linear`` in the accumulation dtype as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops.common import compute_dtype
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [T, H] @ weight [E, H]^T`` as float32 logits [T, E] (float64 for float64 input)."""
+    if _tensor_core_path(x, weight):
+        return _BF16GateLogits.apply(x, weight)
+    acc = compute_dtype(x.dtype)
+    return nn.functional.linear(x.to(acc), weight.to(acc))
+
+
+def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+
+
+def _split_bf16(d: torch.Tensor) -> torch.Tensor:
+    """[T, E] float32 -> [T, 2E] bf16 ``[hi | lo]`` with ``hi + lo`` = ``d`` to 16 bits."""
+    hi = d.to(torch.bfloat16)
+    lo = (d - hi.float()).to(torch.bfloat16)
+    return torch.cat([hi, lo], dim=1)
+
+
+class _BF16GateLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_logits: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        halves = _split_bf16(grad_logits.contiguous())
+        grad_x = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(halves, torch.cat([weight, weight], dim=0))
+        if ctx.needs_input_grad[1]:
+            both = torch.mm(halves.t(), x, out_dtype=torch.float32)
+            num_experts = weight.shape[0]
+            grad_weight = (both[:num_experts] + both[num_experts:]).to(weight.dtype)
+        return grad_x, grad_weight
