@@ -4,10 +4,12 @@
 // Index pass (mg_permute_index[_capacity]), over the n = tokens * top_k token
 // copies in chunks of kChunk copies, one CTA per chunk:
 //   1. count   : counts[e][c] = copies of chunk c routed to expert e
-//   2. scan    : one CTA, exclusive scan of counts in (expert, chunk) order ->
-//                the first copy of (e, c) among expert e's copies; per expert
-//                the kept count min(count, capacity), m_splits and the first
-//                row of its block (packed, or e * capacity when padded)
+//   2. scan    : per expert (one CTA each), exclusive scan of its counts over
+//                the chunks -> the first copy of (e, c) among expert e's
+//                copies; then one CTA over the experts: where each expert's
+//                copies start, the kept count min(count, capacity), m_splits
+//                and the first row of its block (packed, or e * capacity when
+//                padded)
 //   3. position: rank of each copy among expert e's copies = base[e][c] + its
 //                rank among the copies of chunk c with expert e (warp match +
 //                per-warp counts), so kept rows are ordered by (expert, copy
@@ -41,6 +43,7 @@ namespace {
 constexpr int kChunk = 256;  // copies per CTA in the count and position passes
 constexpr int kWarps = kChunk / 32;
 constexpr int kScanThreads = 1024;
+constexpr int kChunkScanThreads = 256;
 // Shared memory per CTA: count pass 4 * E bytes, position pass kWarps * E bytes
 // (one byte per warp and expert: a warp has at most 32 copies). 4096 experts
 // use 32 KiB, under the 48 KiB a kernel gets without opting in.
@@ -75,37 +78,57 @@ __global__ void __launch_bounds__(kChunk)
   }
 }
 
-// One CTA. In: counts[e][c]. Out: counts[e][c] = copies of expert e in the
-// chunks before c; starts[e] = copies of the experts before e (starts[E] = all
-// copies); out_base[e] = first row of expert e's block; m_splits[e].
-__global__ void __launch_bounds__(kScanThreads)
-    scan_kernel(int32_t* __restrict__ counts, int num_experts, int num_chunks, int32_t capacity,
-                int pad_to_capacity, int32_t* __restrict__ starts, int32_t* __restrict__ out_base,
-                int64_t* __restrict__ m_splits) {
-  using Scan = cub::BlockScan<int32_t, kScanThreads>;
+// One CTA per expert e: exclusive scan of counts[e][c] over the chunks, in
+// place, so counts[e][c] = copies of expert e in the chunks before c; expert
+// e's total goes to starts[e + 1] for expert_scan_kernel. (A single CTA over
+// all E * chunks entries took 80 us for 128 experts and 131072 copies.)
+__global__ void __launch_bounds__(kChunkScanThreads)
+    chunk_scan_kernel(int32_t* __restrict__ counts, int num_chunks, int32_t* __restrict__ starts) {
+  using Scan = cub::BlockScan<int32_t, kChunkScanThreads>;
   __shared__ typename Scan::TempStorage storage;
   __shared__ int32_t carry;
-  const int64_t entries = static_cast<int64_t>(num_experts) * num_chunks;
+  int32_t* row = counts + static_cast<int64_t>(blockIdx.x) * num_chunks;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  for (int64_t base = 0; base < entries; base += kScanThreads) {
-    int64_t j = base + threadIdx.x;
-    int32_t value = j < entries ? counts[j] : 0;
+  for (int base = 0; base < num_chunks; base += kChunkScanThreads) {
+    const int c = base + threadIdx.x;
+    const int32_t value = c < num_chunks ? row[c] : 0;
     int32_t prefix = 0, total = 0;
     Scan(storage).ExclusiveSum(value, prefix, total);
-    if (j < entries) {
-      int32_t start = carry + prefix;
-      counts[j] = start;
-      if (j % num_chunks == 0) starts[j / num_chunks] = start;
-    }
+    if (c < num_chunks) row[c] = carry + prefix;
     __syncthreads();
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
+  if (threadIdx.x == 0) starts[blockIdx.x + 1] = carry;
+}
+
+// One CTA, after chunk_scan_kernel. In: starts[e + 1] = copies of expert e.
+// Out: starts[e] = copies of the experts before e (starts[E] = all copies);
+// per expert the kept count min(count, capacity) as m_splits[e] and the first
+// row of its block, out_base[e] (packed, or e * capacity when padded).
+__global__ void __launch_bounds__(kScanThreads)
+    expert_scan_kernel(int num_experts, int32_t capacity, int pad_to_capacity, int32_t* __restrict__ starts,
+                       int32_t* __restrict__ out_base, int64_t* __restrict__ m_splits) {
+  using Scan = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int32_t carry;
   if (threadIdx.x == 0) {
-    starts[num_experts] = carry;
     carry = 0;
+    starts[0] = 0;
   }
+  __syncthreads();
+  for (int base = 0; base < num_experts; base += kScanThreads) {
+    const int e = base + threadIdx.x;
+    const int32_t count = e < num_experts ? starts[e + 1] : 0;
+    int32_t prefix = 0, total = 0;
+    Scan(storage).ExclusiveSum(count, prefix, total);
+    if (e < num_experts) starts[e + 1] = carry + prefix + count;  // each thread rewrites only what it read
+    __syncthreads();
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) carry = 0;
   __syncthreads();  // also makes the global starts[] visible to the whole CTA
   for (int base = 0; base < num_experts; base += kScanThreads) {
     const int e = base + threadIdx.x;
@@ -120,7 +143,6 @@ __global__ void __launch_bounds__(kScanThreads)
     if (threadIdx.x == 0) carry += total;
     __syncthreads();
   }
-  for (int64_t j = threadIdx.x; j < entries; j += kScanThreads) counts[j] -= starts[j / num_chunks];
 }
 
 template <typename IndexT>
@@ -400,8 +422,10 @@ mg_status launch_count_scan_position(const IndexT* experts, const uint8_t* keep,
   const size_t warp_bytes = sizeof(uint8_t) * kWarps * num_experts;
   count_kernel<<<num_chunks, kChunk, hist_bytes, stream>>>(experts, keep, n, num_experts, num_chunks, s.counts);
   MG_CUDA_RETURN(cudaGetLastError());
-  scan_kernel<<<1, kScanThreads, 0, stream>>>(s.counts, num_experts, num_chunks, capacity, pad_to_capacity,
-                                              s.starts, s.out_base, m_splits);
+  chunk_scan_kernel<<<num_experts, kChunkScanThreads, 0, stream>>>(s.counts, num_chunks, s.starts);
+  MG_CUDA_RETURN(cudaGetLastError());
+  expert_scan_kernel<<<1, kScanThreads, 0, stream>>>(num_experts, capacity, pad_to_capacity, s.starts, s.out_base,
+                                                     m_splits);
   MG_CUDA_RETURN(cudaGetLastError());
   if (!positions || n == 0) return MG_OK;
   position_kernel<<<num_chunks, kChunk, warp_bytes, stream>>>(experts, keep, n, num_experts, num_chunks, s.counts,
