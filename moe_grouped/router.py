@@ -105,6 +105,15 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+def _recomputing() -> bool:
+    """True while autograd runs a backward, where a forward runs only to be
+    recomputed (activation checkpointing): its tokens were counted already.
+    Compiled graphs apply buffer updates once, recomputed or not."""
+    if torch.compiler.is_compiling():
+        return False
+    return torch._C._current_graph_task_id() != -1
+
+
 def _check_positive_int(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -214,7 +223,7 @@ class Router(nn.Module):
         logits = router_logits(x, self.weight)
         weights, experts, probs = self._select(logits)
         counts = tokens_per_expert(experts, self.num_experts)
-        if self.tokens_since_update is not None and self.training:
+        if self.tokens_since_update is not None and self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_since_update.add_(counts)
         return RoutingOutput(

@@ -63,6 +63,22 @@ def test_checkpointed_layer_gives_eager_gradients(backend, case):
             torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-6, msg=lambda m: f"{case}: gradient {i}: {m}")
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_recompute_does_not_count_tokens_twice(use_reentrant):
+    """The expert-bias load counter sees each token once although backward re-runs the router."""
+    torch.manual_seed(0)
+    options = {"score_function": "sigmoid", "expert_bias": True}
+    layer = MoELayer(16, 32, 4, 2, backend="reference", router_options=options)
+    twin = copy.deepcopy(layer)
+    x, dout = torch.randn(2, 10, 16), torch.randn(2, 10, 16)
+    layer(x).backward(dout)
+    xc = x.clone().requires_grad_(True)
+    checkpoint(twin, xc, use_reentrant=use_reentrant).backward(dout)
+    counted = twin.router.tokens_since_update
+    assert int(counted.sum()) == 2 * 10 * 2  # tokens x top_k, once
+    assert torch.equal(counted, layer.router.tokens_since_update)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
 @pytest.mark.parametrize("case", ["plain", "aux-shared", "capacity-probs"])
