@@ -218,6 +218,10 @@ _PROTOTYPES = {
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, ctypes.c_int64, ctypes.c_int,
          _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
     ),
+    "mg_route_topk": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp],
+    ),
     "mg_permute_rows": (
         ctypes.c_int,
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp, _vp],

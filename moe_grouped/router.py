@@ -36,6 +36,7 @@ from torch import nn
 
 from . import _checks
 from .router_gemm import router_logits
+from .router_topk import choose_experts, tokens_per_expert  # noqa: F401 (tokens_per_expert: public here)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -73,17 +74,6 @@ class RoutingOutput:
             self.weights.detach(), self.experts.detach(), self.tokens_per_expert.detach(),
             self.aux_loss.detach(), self.z_loss.detach(), self.logits.detach(),
         )
-
-
-def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64 counts of the entries of ``experts`` per expert, without a host sync.
-
-    ``torch.bincount`` reads its input's maximum on the host on CUDA; a
-    scatter-add of ones into a zero vector of static size does not.
-    """
-    flat = experts.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int64))
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -221,8 +211,7 @@ class Router(nn.Module):
             raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
         _checks.check_same_device("the router's weight", self.weight, x=x)
         logits = router_logits(x, self.weight)
-        weights, experts, probs = self._select(logits)
-        counts = tokens_per_expert(experts, self.num_experts)
+        weights, experts, counts, probs = self._select(logits)
         if self.tokens_since_update is not None and self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_since_update.add_(counts)
@@ -236,7 +225,7 @@ class Router(nn.Module):
         )
 
     def _select(self, logits: torch.Tensor):
-        """(weights [T, k], experts [T, k], probabilities over all experts [T, E])."""
+        """(weights [T, k], experts [T, k], copies per expert [E], probabilities over all experts [T, E])."""
         if self.score_function == "sigmoid":
             scores = torch.sigmoid(logits)
             probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
@@ -248,7 +237,7 @@ class Router(nn.Module):
             choice = choice + self.expert_bias
         if self.n_group is not None:
             choice = self._limit_to_groups(choice)
-        experts = choice.topk(self.top_k, dim=-1).indices
+        experts, counts = choose_experts(choice, self.top_k)
         selected = scores.gather(1, experts)
         if self.topk_before_softmax:
             weights = torch.softmax(selected, dim=-1)
@@ -258,7 +247,7 @@ class Router(nn.Module):
             weights = selected
         if self.scaling_factor != 1.0:
             weights = weights * self.scaling_factor
-        return weights, experts, probs
+        return weights, experts, counts, probs
 
     def _limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
         """``choice`` with the experts outside each token's best groups set to -inf."""

@@ -331,6 +331,13 @@ MG_API mg_status mg_permute_index_capacity(const void* experts, mg_dtype experts
                                            int pad_to_capacity, int64_t* row_id_map,
                                            int64_t* m_splits, int device, int workspace_slot,
                                            void* stream);
+/* The router's choice: experts[t, :] = the top_k experts of scores[t, :]
+ * (fp32 [num_tokens, num_experts], row-major), best first; equal scores
+ * rank the lower expert first, NaN ranks above +inf (as torch.topk).
+ * counts[e] = copies routed to expert e (int64 [num_experts], overwritten).
+ * 1 <= num_experts <= 1024, 1 <= top_k <= min(num_experts, 32).          */
+MG_API mg_status mg_route_topk(const float* scores, int64_t num_tokens, int num_experts, int top_k,
+                               int64_t* experts, int64_t* counts, void* stream);
 /* permuted[row_id_map[t * top_k + j], :] = x[t, :] for the copies with a
  * row. x and permuted have `dtype` (fp32, fp16 or bf16), hidden columns;
  * rows no copy maps to are left untouched.                                 */
