@@ -349,15 +349,15 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 unsigned row_grid(int64_t rows) { return static_cast<unsigned>((rows + kRowWarps - 1) / kRowWarps); }
+// Kernels with a thread per item (copy, token or narrow row).
+unsigned element_grid(int64_t items) {
+  return static_cast<unsigned>((items + kElementThreads - 1) / kElementThreads);
+}
 
 // Rows of at most kNarrowRow elements (the routing weights as [T * k, 1]
 // rows): one thread per row. A warp per 1-element row took 22 us for 131072
 // rows on an H100, 31 of its 32 lanes idle. Same arithmetic, same order.
 constexpr int64_t kNarrowRow = 8;
-
-unsigned narrow_grid(int64_t rows) {
-  return static_cast<unsigned>((rows + kElementThreads - 1) / kElementThreads);
-}
 
 template <typename T>
 __global__ void __launch_bounds__(kElementThreads)
@@ -390,7 +390,6 @@ __global__ void __launch_bounds__(kElementThreads)
     out[token * hidden + h] = from_float<T>(acc);
   }
 }
-
 
 mg_status check_rows(int64_t num_tokens, int64_t hidden, int top_k) {
   if (num_tokens < 0 || hidden < 0 || top_k <= 0 || num_tokens * top_k > INT32_MAX) {
@@ -488,7 +487,7 @@ mg_status launch_index(const IndexT* experts, const float* probs, int64_t n, int
     MG_RETURN_IF_ERROR(launch_count_scan_position<IndexT>(experts, nullptr, n, num_experts, num_chunks,
                                                           kNoCapacity, 0, false, s, row_id_map, m_splits,
                                                           stream));
-    const unsigned blocks = static_cast<unsigned>((n + kElementThreads - 1) / kElementThreads);
+    const unsigned blocks = element_grid(n);
     priority_keys_kernel<<<blocks, kElementThreads, 0, stream>>>(experts, probs, n, num_experts, s.keys_in,
                                                                  s.copies_in);
     MG_CUDA_RETURN(cudaGetLastError());
@@ -598,7 +597,7 @@ extern "C" mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_
     constexpr int V = 16 / sizeof(T);
     const unsigned grid = row_grid(n);
     if (hidden <= kNarrowRow) {
-      permute_narrow_rows_kernel<T><<<narrow_grid(n), kElementThreads, 0, cuda_stream>>>(
+      permute_narrow_rows_kernel<T><<<element_grid(n), kElementThreads, 0, cuda_stream>>>(
           static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted));
     } else if (rows_are_16_byte_aligned<T>(hidden, {x, permuted})) {
       permute_rows_kernel<T, V><<<grid, kRowThreads, 0, cuda_stream>>>(
@@ -629,7 +628,7 @@ extern "C" mg_status mg_unpermute_rows(const void* y, mg_dtype dtype, int64_t nu
     auto launch = [&](auto weight_tag, auto width) {
       using W = decltype(weight_tag);
       if (hidden <= kNarrowRow) {
-        unpermute_narrow_rows_kernel<T, W><<<narrow_grid(num_tokens), kElementThreads, 0, cuda_stream>>>(
+        unpermute_narrow_rows_kernel<T, W><<<element_grid(num_tokens), kElementThreads, 0, cuda_stream>>>(
             static_cast<const T*>(y), num_tokens, hidden, top_k, row_id_map, static_cast<const W*>(weights),
             static_cast<T*>(out));
         return;

@@ -333,7 +333,8 @@ MG_API mg_status mg_permute_index_capacity(const void* experts, mg_dtype experts
                                            void* stream);
 /* The router's choice: experts[t, :] = the top_k experts of scores[t, :]
  * (fp32 [num_tokens, num_experts], row-major), best first; equal scores
- * rank the lower expert first, NaN ranks above +inf (as torch.topk).
+ * rank the lower expert first (-0 and +0 are equal), NaN ranks above
+ * +inf (as torch.topk).
  * counts[e] = copies routed to expert e (int64 [num_experts], overwritten).
  * 1 <= num_experts <= 1024, 1 <= top_k <= min(num_experts, 32).          */
 MG_API mg_status mg_route_topk(const float* scores, int64_t num_tokens, int num_experts, int top_k,
