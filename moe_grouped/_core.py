@@ -34,6 +34,7 @@ CAP_GROUPED_GEMM_FP8_BLOCKWISE = 4
 CAP_PERMUTE = 8
 CAP_FP8_QUANTIZE = 16
 CAP_SWIGLU = 32
+CAP_GATHERED_GEMM = 64
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -108,6 +109,15 @@ class GroupedProblem(ctypes.Structure):
     ]
 
 
+class RowGather(ctypes.Structure):
+    """``mg_row_gather``: an operand's rows read through an int32 device index."""
+
+    _fields_ = [
+        ("index", ctypes.c_void_p),
+        ("source_rows", ctypes.c_int64),
+    ]
+
+
 class QuantizeConfig(ctypes.Structure):
     """``mg_quantize_config``."""
 
@@ -165,6 +175,19 @@ _PROTOTYPES = {
     "mg_grouped_wgrad": (
         ctypes.c_int,
         [ctypes.POINTER(GroupedProblem), _vp, _vp, GroupOperand, ctypes.c_int, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_fprop_gathered": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, RowGather, GroupOperand, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_dgrad_gathered": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, RowGather, GroupOperand, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_wgrad_gathered": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, ctypes.POINTER(RowGather), _vp, ctypes.POINTER(RowGather),
+         GroupOperand, ctypes.c_int, ctypes.c_int, _vp],
     ),
     "mg_grouped_dbias": (
         ctypes.c_int,

@@ -17,7 +17,7 @@ namespace {
 uint32_t capabilities() {
   uint32_t caps = MG_CAP_SETUP;
 #ifdef MG_HAVE_GROUPED_GEMM_16BIT
-  caps |= MG_CAP_GROUPED_GEMM_16BIT;
+  caps |= MG_CAP_GROUPED_GEMM_16BIT | MG_CAP_GATHERED_GEMM;
 #endif
 #ifdef MG_HAVE_GROUPED_GEMM_FP8_BLOCKWISE
   caps |= MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE;
@@ -40,6 +40,7 @@ std::string describe() {
   info += "; archs " MG_CUDA_ARCHS "; kernels: setup";
   uint32_t caps = capabilities();
   if (caps & MG_CAP_GROUPED_GEMM_16BIT) info += ", grouped_gemm_bf16_fp16";
+  if (caps & MG_CAP_GATHERED_GEMM) info += ", gathered_gemm_bf16";
   if (caps & MG_CAP_GROUPED_GEMM_FP8_BLOCKWISE) info += ", grouped_gemm_fp8_blockwise";
   if (caps & MG_CAP_PERMUTE) info += ", permute";
   if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize";

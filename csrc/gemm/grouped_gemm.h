@@ -13,6 +13,15 @@
 
 namespace moe_grouped::gemm {
 
+// Rows of an operand read through an index (gathered kernels): row r of the
+// operand is row index[r] of its source [source_rows, cols]; an index outside
+// [0, source_rows) reads zeros. index NULL: the operand is read as stored.
+struct RowGather {
+  const int32_t* index = nullptr;
+  int64_t source_rows = 0;
+  int64_t cols = 0;
+};
+
 // One grouped GEMM, validated by the API layer.
 struct GroupedGemmCall {
   mg_gemm_kind kind;
@@ -28,6 +37,8 @@ struct GroupedGemmCall {
   const void* bias;         // fprop only: [E, N] or NULL
   void* out;                // y [M, N] (fprop) or dx [M, K] (dgrad)
   bool accumulate;          // wgrad only: dW += instead of dW =
+  RowGather gather_a;       // gathered kernels: tokens is then A's source
+  RowGather gather_b;       // gathered wgrad: tokens_b is then B's source
   int sm_count;
   void* workspace;          // at least workspace_bytes(num_groups, sm_count)
 };
@@ -38,6 +49,7 @@ struct KernelEntry {
   mg_dtype dtype;
   mg_dtype out_dtype;
   TileConfig config;
+  bool gathered;  // reads gather_a / gather_b (the others ignore them)
   // Bytes of workspace a call with this kernel uses (argument arrays and
   // CUTLASS's own workspace, each aligned to kWorkspaceAlignment).
   size_t (*workspace_bytes)(int num_groups, int sm_count);
@@ -70,5 +82,7 @@ KernelList sm90_wgrad_bf16_kernels();
 KernelList sm90_fprop_fp16_kernels();
 KernelList sm90_dgrad_fp16_kernels();
 KernelList sm90_wgrad_fp16_kernels();
+KernelList sm90_gathered_fprop_dgrad_bf16_kernels();
+KernelList sm90_gathered_wgrad_bf16_kernels();
 
 }  // namespace moe_grouped::gemm

@@ -24,18 +24,20 @@ constexpr const char* kTileEnv = "MOE_GROUPED_GEMM_TILE";
 const KernelList& all_kernels(int index) {
   static const KernelList lists[] = {
       sm90_fprop_bf16_kernels(), sm90_dgrad_bf16_kernels(), sm90_wgrad_bf16_kernels(),
-      sm90_fprop_fp16_kernels(), sm90_dgrad_fp16_kernels(), sm90_wgrad_fp16_kernels()};
+      sm90_fprop_fp16_kernels(), sm90_dgrad_fp16_kernels(), sm90_wgrad_fp16_kernels(),
+      sm90_gathered_fprop_dgrad_bf16_kernels(), sm90_gathered_wgrad_bf16_kernels()};
   return lists[index];
 }
-constexpr int kKernelLists = 6;
+constexpr int kKernelLists = 8;
 
 const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_dtype,
-                               TileConfig config) {
+                               TileConfig config, bool gathered) {
   for (int l = 0; l < kKernelLists; ++l) {
     const KernelList& list = all_kernels(l);
     for (int i = 0; i < list.count; ++i) {
       const KernelEntry& e = list.entries[i];
-      if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype && e.config == config) {
+      if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype && e.config == config &&
+          e.gathered == gathered) {
         return &e;
       }
     }
@@ -44,7 +46,8 @@ const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_d
 }
 
 // Workspace for any kernel of (kind, dtype): the largest of them, so that
-// the size does not depend on the output dtype or the tile configuration.
+// the size does not depend on the output dtype, the tile configuration or
+// whether the call gathers.
 size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sms) {
   size_t bytes = 0;
   for (int l = 0; l < kKernelLists; ++l) {
@@ -60,7 +63,7 @@ size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sm
 }
 
 mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype out_dtype,
-                        const KernelEntry** out) {
+                        bool gathered, const KernelEntry** out) {
   GemmShape shape{kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
   TileConfig config = choose_tile_config(shape);
   if (const char* forced = std::getenv(kTileEnv); forced != nullptr && forced[0] != '\0') {
@@ -69,11 +72,11 @@ mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype
                   kTileEnv, forced, tile_config_name(TileConfig::kCoop128x256));
     }
   }
-  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config);
-  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256);
+  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config, gathered);
+  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256, gathered);
   if (entry == nullptr) {
-    return fail(MG_ERROR_UNSUPPORTED, "no grouped %s kernel is built for %s operands and %s output",
-                kind_name(kind), dtype_name(p->dtype), dtype_name(out_dtype));
+    return fail(MG_ERROR_UNSUPPORTED, "no %sgrouped %s kernel is built for %s operands and %s output",
+                gathered ? "gathered " : "", kind_name(kind), dtype_name(p->dtype), dtype_name(out_dtype));
   }
   *out = entry;
   return MG_OK;
@@ -86,7 +89,8 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   int sms = 0;
   MG_RETURN_IF_ERROR(sm_count(p->device, &sms));
   const KernelEntry* entry = nullptr;
-  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, &entry));
+  const bool gathered = call.gather_a.index != nullptr || call.gather_b.index != nullptr;
+  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, gathered, &entry));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   size_t bytes = workspace_bytes(call.kind, p->dtype, p->num_groups, sms);
   void* workspace = nullptr;
@@ -94,6 +98,29 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   set_problem(call, p, sms, workspace);
   MG_RETURN_IF_ERROR(entry->run(call, cuda_stream));
   return ok();
+}
+
+// A gathered operand: a device index and a bf16 source of 1 .. 2^31 - 1 rows
+// (TMA row coordinates are 32-bit), `cols` wide. Only bf16 kernels gather.
+mg_status check_gather(const mg_grouped_problem* p, const char* op, const char* name,
+                       const void* source, const mg_row_gather& rows, int64_t cols, RowGather* out) {
+  if (p->dtype != MG_BFLOAT16) {
+    return fail(MG_ERROR_UNSUPPORTED, "%s: gathered kernels are built for bf16 operands, got %s", op,
+                dtype_name(p->dtype));
+  }
+  if (rows.index == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s's row index must be a device pointer, got NULL", op, name);
+  }
+  if (reinterpret_cast<uintptr_t>(rows.index) % alignof(int32_t) != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s's row index must be 4-byte aligned", op, name);
+  }
+  if (rows.source_rows < 1 || rows.source_rows > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: %s's source_rows must be in [1, 2^31), got %lld", op, name,
+                static_cast<long long>(rows.source_rows));
+  }
+  MG_RETURN_IF_ERROR(check_aligned(op, name, source, false));
+  *out = RowGather{rows.index, rows.source_rows, cols};
+  return MG_OK;
 }
 
 }  // namespace
@@ -164,6 +191,68 @@ mg_status mg_grouped_wgrad(const mg_grouped_problem* p, const void* dy, const vo
   MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
   MG_RETURN_IF_ERROR(check_operand(op, "dw", dw, dtype_bytes(dw_dtype)));
   GroupedGemmCall call{};
+  call.kind = MG_GEMM_WGRAD;
+  call.tokens = dy;
+  call.tokens_b = x;
+  call.weight = dw;
+  call.accumulate = accumulate != 0;
+  return run_gemm(p, call, dw_dtype, stream);
+}
+
+mg_status mg_grouped_fprop_gathered(const mg_grouped_problem* p, const void* x_source, mg_row_gather x_rows,
+                                    mg_group_operand weight, void* y, mg_dtype y_dtype, void* stream) {
+  const char* op = "mg_grouped_fprop_gathered";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "y_dtype", p->dtype, y_dtype));
+  if (p->total_rows == 0) return ok();
+  GroupedGemmCall call{};
+  MG_RETURN_IF_ERROR(check_gather(p, op, "x", x_source, x_rows, p->k, &call.gather_a));
+  MG_RETURN_IF_ERROR(check_aligned(op, "y", y, false));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  call.kind = MG_GEMM_FPROP;
+  call.tokens = x_source;
+  call.weight = weight;
+  call.out = y;
+  return run_gemm(p, call, y_dtype, stream);
+}
+
+mg_status mg_grouped_dgrad_gathered(const mg_grouped_problem* p, const void* dy_source, mg_row_gather dy_rows,
+                                    mg_group_operand weight, void* dx, mg_dtype dx_dtype, void* stream) {
+  const char* op = "mg_grouped_dgrad_gathered";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "dx_dtype", p->dtype, dx_dtype));
+  if (p->total_rows == 0) return ok();
+  GroupedGemmCall call{};
+  MG_RETURN_IF_ERROR(check_gather(p, op, "dy", dy_source, dy_rows, p->n, &call.gather_a));
+  MG_RETURN_IF_ERROR(check_aligned(op, "dx", dx, false));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  call.kind = MG_GEMM_DGRAD;
+  call.tokens = dy_source;
+  call.weight = weight;
+  call.out = dx;
+  return run_gemm(p, call, dx_dtype, stream);
+}
+
+mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const void* dy, const mg_row_gather* dy_rows,
+                                    const void* x, const mg_row_gather* x_rows, mg_group_operand dw,
+                                    mg_dtype dw_dtype, int accumulate, void* stream) {
+  const char* op = "mg_grouped_wgrad_gathered";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, "dw_dtype", p->dtype, dw_dtype));
+  MG_RETURN_IF_ERROR(check_operand(op, "dw", dw, dtype_bytes(dw_dtype)));
+  GroupedGemmCall call{};
+  // With no tokens at all the GEMM has no tiles; the zero fill still runs.
+  const bool empty = p->total_rows == 0;
+  if (dy_rows != nullptr && !empty) {
+    MG_RETURN_IF_ERROR(check_gather(p, op, "dy", dy, *dy_rows, p->n, &call.gather_a));
+  } else {
+    MG_RETURN_IF_ERROR(check_aligned(op, "dy", dy, empty));
+  }
+  if (x_rows != nullptr && !empty) {
+    MG_RETURN_IF_ERROR(check_gather(p, op, "x", x, *x_rows, p->k, &call.gather_b));
+  } else {
+    MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
+  }
   call.kind = MG_GEMM_WGRAD;
   call.tokens = dy;
   call.tokens_b = x;

@@ -88,9 +88,17 @@ struct LayoutTraits<MG_GEMM_WGRAD> {
 
 // ---- the kernel type ---------------------------------------------------
 
-template <mg_gemm_kind Kind, mg_dtype Dtype, mg_dtype OutDtype, TileConfig Config>
+// The gathering mainloop (sm90_gather_mainloop.cuh, which the gathered
+// kernels' translation units include; the others need only its name).
+template <class Base>
+struct GatherMainloop;
+
+// Gathered: the mainloop may read A and (wgrad) B through a row index; the
+// index pointers come with each call.
+template <mg_gemm_kind Kind, mg_dtype Dtype, mg_dtype OutDtype, TileConfig Config, bool Gathered = false>
 struct GroupedGemm {
   static constexpr mg_gemm_kind kKind = Kind;
+  static constexpr bool kGathered = Gathered;
   static constexpr mg_dtype kDtype = Dtype;
   static constexpr mg_dtype kOutDtype = OutDtype;
   static constexpr TileConfig kConfig = Config;
@@ -132,12 +140,13 @@ struct GroupedGemm {
       ElementAccumulator, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename Tiles::Epilogue, Fusion>::CollectiveOp;
 
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element,
       LayoutB*, kAlignAB, ElementAccumulator, typename Tiles::Tile, typename Tiles::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Tiles::Mainloop>::CollectiveOp;
+  using CollectiveMainloop = std::conditional_t<Gathered, GatherMainloop<BuiltMainloop>, BuiltMainloop>;
 
   using Kernel =
       cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
@@ -223,6 +232,11 @@ struct SetupParams {
   const void* const* weight_ptrs;
   const typename G::Element* bias;
   typename G::ElementD* out;
+  // A gathered operand's pointers name its source's first row: the mainloop
+  // reads it through the index, not through these (they only fill the unused
+  // tensor map, which must still hold an address inside the allocation).
+  bool gather_a;
+  bool gather_b;
   Workspace<G> w;
 };
 
@@ -238,9 +252,11 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
     const void* weight = p.weight_base != nullptr
                              ? static_cast<const void*>(p.weight_base + g * p.weight_stride_bytes)
                              : p.weight_ptrs[g];
+    const int64_t a_start = p.gather_a ? 0 : start;
+    const int64_t b_start = p.gather_b ? 0 : start;
     if constexpr (G::kKind == MG_GEMM_FPROP) {
       p.w.shapes[g] = {m, n, k};
-      p.w.ptr_a[g] = p.tokens + start * k;
+      p.w.ptr_a[g] = p.tokens + a_start * k;
       p.w.ptr_b[g] = static_cast<const Element*>(weight);
       p.w.ptr_d[g] = p.out + start * n;
       if (p.bias != nullptr) p.w.ptr_bias[g] = p.bias + static_cast<int64_t>(g) * n;
@@ -249,7 +265,7 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
       p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, n, 1});
     } else if constexpr (G::kKind == MG_GEMM_DGRAD) {
       p.w.shapes[g] = {m, k, n};
-      p.w.ptr_a[g] = p.tokens + start * n;
+      p.w.ptr_a[g] = p.tokens + a_start * n;
       p.w.ptr_b[g] = static_cast<const Element*>(weight);
       p.w.ptr_d[g] = p.out + start * k;
       p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, n, 1});
@@ -258,8 +274,8 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
     } else {
       // An empty reduction gets no tiles at all (M = 0); see the file comment.
       p.w.shapes[g] = {m > 0 ? n : 0, k, m};
-      p.w.ptr_a[g] = p.tokens + start * n;
-      p.w.ptr_b[g] = p.tokens_b + start * k;
+      p.w.ptr_a[g] = p.tokens + a_start * n;
+      p.w.ptr_b[g] = p.tokens_b + b_start * k;
       p.w.ptr_d[g] = static_cast<ElementD*>(const_cast<void*>(weight));
       p.w.stride_a[g] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {n, m, 1});
       p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {k, m, 1});
@@ -416,6 +432,8 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   setup.weight_ptrs = reinterpret_cast<const void* const*>(call.weight.ptrs);
   setup.bias = static_cast<const Element*>(call.bias);
   setup.out = static_cast<ElementD*>(call.out);
+  setup.gather_a = call.gather_a.index != nullptr;
+  setup.gather_b = call.gather_b.index != nullptr;
   setup.w = w;
   if (call.splits_dtype == MG_INT32) {
     grouped_gemm_setup<G, int32_t><<<1, kSetupThreads, 0, stream>>>(setup);
@@ -425,13 +443,21 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   MG_CUDA_RETURN(cudaGetLastError());
 
   typename G::Gemm::Arguments args{};
-  args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b};
+  if constexpr (G::kGathered) {
+    typename G::CollectiveMainloop::GatherArguments gather;
+    gather.a = {call.gather_a.index, call.tokens, call.gather_a.source_rows, call.gather_a.cols};
+    gather.b = {call.gather_b.index, call.tokens_b, call.gather_b.source_rows, call.gather_b.cols};
+    gather.group_offsets = w.offsets;
+    args.mainloop = {{w.ptr_a, w.stride_a, w.ptr_b, w.stride_b}, gather};
+  } else {
+    args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b};
+  }
   return finish_launch<G>(args, w, call, device, stream);
 }
 
 template <class G>
 constexpr KernelEntry entry() {
-  return KernelEntry{G::kKind, G::kDtype, G::kOutDtype, G::kConfig, &workspace_bytes<G>, &run<G>};
+  return KernelEntry{G::kKind, G::kDtype, G::kOutDtype, G::kConfig, G::kGathered, &workspace_bytes<G>, &run<G>};
 }
 
 }  // namespace moe_grouped::gemm::sm90

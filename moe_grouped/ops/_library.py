@@ -15,7 +15,7 @@ import torch
 from .. import _core
 from ..graphs import nvtx
 from . import cuda_backend, reference_backend, torch_backend
-from .common import num_groups_of, offsets_with_zero
+from .common import gather_rows, num_groups_of, offsets_with_zero
 
 # All imported up front (cuda_backend imports without the core and calls it
 # only when an op runs): an import inside a compiled region breaks the graph.
@@ -116,6 +116,82 @@ def grouped_wgrad_(
 
 @grouped_wgrad_.register_fake
 def _(dy, x, m_splits, out, accumulate, backend):
+    return None
+
+
+def _gathered(backend: str, name: str):
+    """The backend's gathered op, or None when it has none (then the rows are gathered first)."""
+    return getattr(backend_module(backend), name, None)
+
+
+@torch.library.custom_op("moe_grouped::grouped_fprop_gathered", mutates_args=())
+def grouped_fprop_gathered(
+    source: torch.Tensor,
+    index: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``grouped_fprop`` of ``gather_rows(source, index)`` ([len(index), K] rows) without the copy."""
+    with nvtx.range(f"moe_grouped.fprop_gathered[{backend}]"):
+        op = _gathered(backend, "fprop_gathered")
+        if op is not None:
+            return op(source, index, weights, m_splits, out_dtype)
+        return backend_module(backend).fprop(gather_rows(source, index), weights, m_splits, None, out_dtype)
+
+
+@grouped_fprop_gathered.register_fake
+def _(source, index, weights, m_splits, out_dtype, backend):
+    return source.new_empty(index.shape[0], weights[0].shape[-2], dtype=out_dtype)
+
+
+@torch.library.custom_op("moe_grouped::grouped_dgrad_gathered", mutates_args=())
+def grouped_dgrad_gathered(
+    source: torch.Tensor,
+    index: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``grouped_dgrad`` of ``gather_rows(source, index)`` without the copy."""
+    with nvtx.range(f"moe_grouped.dgrad_gathered[{backend}]"):
+        op = _gathered(backend, "dgrad_gathered")
+        if op is not None:
+            return op(source, index, weights, m_splits, out_dtype)
+        return backend_module(backend).dgrad(gather_rows(source, index), weights, m_splits, out_dtype)
+
+
+@grouped_dgrad_gathered.register_fake
+def _(source, index, weights, m_splits, out_dtype, backend):
+    return source.new_empty(index.shape[0], weights[0].shape[-1], dtype=out_dtype)
+
+
+@torch.library.custom_op("moe_grouped::grouped_wgrad_gathered_", mutates_args=("out",))
+def grouped_wgrad_gathered_(
+    dy: torch.Tensor,
+    dy_index: Optional[torch.Tensor],
+    x: torch.Tensor,
+    x_index: Optional[torch.Tensor],
+    m_splits: torch.Tensor,
+    out: list[torch.Tensor],
+    accumulate: bool,
+    backend: str,
+) -> None:
+    """``grouped_wgrad_`` where dy (x) is ``gather_rows(dy, dy_index)`` when that index is given."""
+    with nvtx.range(f"moe_grouped.wgrad_gathered[{backend}]"):
+        op = _gathered(backend, "wgrad_gathered")
+        if op is not None:
+            op(dy, dy_index, x, x_index, m_splits, out, accumulate)
+            return
+        dy = dy if dy_index is None else gather_rows(dy, dy_index)
+        x = x if x_index is None else gather_rows(x, x_index)
+        backend_module(backend).wgrad(dy, x, m_splits, out, accumulate)
+
+
+@grouped_wgrad_gathered_.register_fake
+def _(dy, dy_index, x, x_index, m_splits, out, accumulate, backend):
     return None
 
 

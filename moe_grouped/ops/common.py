@@ -44,3 +44,17 @@ def offsets_with_zero(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
     """``[0, end_0, end_1, ...]``: the E + 1 group boundaries as int64."""
     ends = end_offsets(m_splits, total_rows)
     return torch.cat([ends.new_zeros(1), ends])
+
+
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Row ``index[r]`` of ``source`` for every r, zeros where the index is outside [0, rows).
+
+    What the gathered GEMMs read (``grouped_fprop_gathered`` and friends), made
+    into a tensor: backends without gathered kernels run their plain GEMM on it.
+    """
+    rows = source.shape[0]
+    if rows == 0:
+        return source.new_zeros(index.shape[0], *source.shape[1:])
+    valid = (index >= 0) & (index < rows)
+    picked = source.index_select(0, index.clamp(0, rows - 1).to(torch.int64))
+    return torch.where(valid.view(-1, *([1] * (source.dim() - 1))), picked, picked.new_zeros(()))

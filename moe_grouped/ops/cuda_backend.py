@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _core
-from .common import is_grouped_layout
+from .common import gather_rows, is_grouped_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,16 +41,18 @@ def shape_supported(n: int, k: int) -> bool:
 
 
 def _problem(
-    tokens: torch.Tensor, m_splits: torch.Tensor, num_groups: int, n: int, k: int, slot: int
+    tokens: torch.Tensor, m_splits: torch.Tensor, num_groups: int, n: int, k: int, slot: int,
+    total_rows: Optional[int] = None, dtype: Optional[torch.dtype] = None,
 ) -> _core.GroupedProblem:
+    """The problem of ``tokens``' rows (or ``total_rows`` of them) in ``tokens``' dtype (or ``dtype``)."""
     return _core.GroupedProblem(
         num_groups=num_groups,
-        total_rows=tokens.shape[0],
+        total_rows=tokens.shape[0] if total_rows is None else total_rows,
         n=n,
         k=k,
         m_splits=m_splits.data_ptr(),
         splits_dtype=_core.dtype_code(m_splits.dtype),
-        dtype=_core.dtype_code(tokens.dtype),
+        dtype=_core.dtype_code(tokens.dtype if dtype is None else dtype),
         device=_core.device_index(tokens.device),
         workspace_slot=slot,
     )
@@ -223,6 +225,116 @@ def wgrad(
     )
 
 
+# ---- gathered GEMMs: token rows read through the routing index -------------
+
+
+def gathers(source: torch.Tensor, out_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether the core's gathered kernels take this source (bf16, 1 .. 2^31 - 1 rows).
+
+    ``out_dtype``: fprop's and dgrad's output, built for bf16 only (wgrad
+    writes bf16 or an fp32 main_grad). Elsewhere the gathered ops copy the
+    rows first (``gather_rows``) and run the plain kernels: same result, one
+    more pass.
+    """
+    return (
+        source.dtype == torch.bfloat16
+        and out_dtype in (None, torch.bfloat16)
+        and 0 < source.shape[0] < 2**31
+        and _core.has(_core.CAP_GATHERED_GEMM)
+    )
+
+
+def _row_gather(source: torch.Tensor, index: torch.Tensor) -> tuple[_core.RowGather, torch.Tensor]:
+    """``mg_row_gather`` for ``source`` and the int32 index it points at (kept alive by the caller)."""
+    index = index.to(device=source.device, dtype=torch.int32).contiguous()
+    return _core.RowGather(index=index.data_ptr(), source_rows=source.shape[0]), index
+
+
+def fprop_gathered(
+    source: torch.Tensor, index: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if not gathers(source, out_dtype):
+        return fprop(gather_rows(source, index), weights, m_splits, None, out_dtype)
+    lib = _core.require()
+    _check_out_dtype(out_dtype, source.dtype)
+    num_groups, n, k = _matrix_shape(weights)
+    source = source.contiguous()
+    rows, index = _row_gather(source, index)
+    y = torch.empty(index.shape[0], n, dtype=out_dtype, device=source.device)
+    problem = _problem(y, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    _core.check(
+        lib.mg_grouped_fprop_gathered(
+            ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), y.data_ptr(),
+            _core.dtype_code(out_dtype), _core.stream_handle(source.device),
+        )
+    )
+    return y
+
+
+def dgrad_gathered(
+    source: torch.Tensor, index: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    if not gathers(source, out_dtype):
+        return dgrad(gather_rows(source, index), weights, m_splits, out_dtype)
+    lib = _core.require()
+    _check_out_dtype(out_dtype, source.dtype)
+    num_groups, n, k = _matrix_shape(weights)
+    source = source.contiguous()
+    rows, index = _row_gather(source, index)
+    dx = torch.empty(index.shape[0], k, dtype=out_dtype, device=source.device)
+    problem = _problem(dx, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    _core.check(
+        lib.mg_grouped_dgrad_gathered(
+            ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), dx.data_ptr(),
+            _core.dtype_code(out_dtype), _core.stream_handle(source.device),
+        )
+    )
+    return dx
+
+
+def wgrad_gathered(
+    dy: torch.Tensor,
+    dy_index: Optional[torch.Tensor],
+    x: torch.Tensor,
+    x_index: Optional[torch.Tensor],
+    m_splits: torch.Tensor,
+    out: Sequence[torch.Tensor],
+    accumulate: bool,
+) -> None:
+    if not all(gathers(t) for t, i in ((dy, dy_index), (x, x_index)) if i is not None):
+        dy = dy if dy_index is None else gather_rows(dy, dy_index)
+        x = x if x_index is None else gather_rows(x, x_index)
+        wgrad(dy, x, m_splits, out, accumulate)
+        return
+    lib = _core.require()
+    out_dtype = out[0].dtype
+    _check_out_dtype(out_dtype, dy.dtype)
+    num_groups, n, k = _matrix_shape(out)
+    dy, x = dy.contiguous(), x.contiguous()
+    dy_rows = x_rows = None
+    if dy_index is not None:
+        dy_rows, dy_index = _row_gather(dy, dy_index)
+    if x_index is not None:
+        x_rows, x_index = _row_gather(x, x_index)
+    total_rows = (dy_index if dy_index is not None else dy).shape[0]
+    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD, total_rows=total_rows)
+    _core.check(
+        lib.mg_grouped_wgrad_gathered(
+            ctypes.byref(problem),
+            dy.data_ptr(),
+            ctypes.byref(dy_rows) if dy_rows is not None else None,
+            x.data_ptr(),
+            ctypes.byref(x_rows) if x_rows is not None else None,
+            _operand(out),
+            _core.dtype_code(out_dtype),
+            1 if accumulate else 0,
+            _core.stream_handle(dy.device),
+        )
+    )
+
+
 def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, dy.dtype)
@@ -238,4 +350,7 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
     return out
 
 
-__all__ = ["fprop", "dgrad", "wgrad", "dbias", "shape_supported", "workspace_size"]
+__all__ = [
+    "fprop", "dgrad", "wgrad", "dbias", "fprop_gathered", "dgrad_gathered", "wgrad_gathered", "gathers",
+    "shape_supported", "workspace_size",
+]

@@ -87,6 +87,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_PERMUTE 8u
 #define MG_CAP_FP8_QUANTIZE 16u
 #define MG_CAP_SWIGLU 32u
+#define MG_CAP_GATHERED_GEMM 64u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -176,6 +177,35 @@ MG_API mg_status mg_grouped_wgrad(const mg_grouped_problem* p, const void* dy,
 MG_API mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy,
                                   void* dbias, mg_dtype dbias_dtype,
                                   void* stream);
+
+/* ---- gathered grouped GEMMs (bf16 operands) ------------------------------
+ * The MoE layer's token-side operands read through the routing index instead
+ * of from a permuted copy: row r (0 <= r < total_rows) of the operand is row
+ * index[r] of `source`, a row-major [source_rows, cols] bf16 matrix whose cols
+ * is the operand's width (K for fprop's x, N for dgrad's dy, N and K for
+ * wgrad's dy and x). An index outside [0, source_rows) reads a row of zeros
+ * (rows no copy maps to). index: int32 on the device, total_rows entries;
+ * source_rows in [1, 2^31). MG_CAP_GATHERED_GEMM; other operand dtypes fail
+ * with MG_ERROR_UNSUPPORTED. Workspace as mg_grouped_gemm_workspace_size.  */
+typedef struct mg_row_gather {
+  const int32_t* index;
+  int64_t source_rows;
+} mg_row_gather;
+
+/* y[M, N] = x_source[index] . W^T (no bias). */
+MG_API mg_status mg_grouped_fprop_gathered(const mg_grouped_problem* p, const void* x_source,
+                                           mg_row_gather x_rows, mg_group_operand weight,
+                                           void* y, mg_dtype y_dtype, void* stream);
+/* dx[M, K] = dy_source[index] . W */
+MG_API mg_status mg_grouped_dgrad_gathered(const mg_grouped_problem* p, const void* dy_source,
+                                           mg_row_gather dy_rows, mg_group_operand weight,
+                                           void* dx, mg_dtype dx_dtype, void* stream);
+/* dW_e (+)= dy_e^T . x_e as mg_grouped_wgrad, where dy (x) is read through
+ * *dy_rows (*x_rows) when that pointer is non-NULL, else as stored. */
+MG_API mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const void* dy,
+                                           const mg_row_gather* dy_rows, const void* x,
+                                           const mg_row_gather* x_rows, mg_group_operand dw,
+                                           mg_dtype dw_dtype, int accumulate, void* stream);
 
 /* ---- FP8 block quantization (1x128 and 128x128) ----------------------------
  * Scales follow TransformerEngine's block-scaling rules: per block
