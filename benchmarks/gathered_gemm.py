@@ -54,8 +54,8 @@ class Case:
 
     def __init__(self, shape):
         import moe_grouped
-        from moe_grouped.experts import Plan, _source_rows
         from moe_grouped.ops import cuda_backend
+        from moe_grouped.permute import source_rows
 
         self.cuda = cuda_backend
         t, h, i, e, k = shape
@@ -65,8 +65,7 @@ class Case:
         self.row_id_map, self.m_splits, rows = moe_grouped.permute_index(
             torch.empty(t, 1, device="cuda"), experts, e, backend="cuda")
         assert rows == self.rows
-        plan = Plan("cuda", "cuda", "cuda", None, None, 1, routed=True, top_k=k, num_rows=rows)
-        self.index = _source_rows(plan, self.row_id_map)
+        self.index = source_rows(self.row_id_map, k, rows)
         self.offs = torch.cumsum(self.m_splits, 0, dtype=torch.int32)
         self.bounds = [(g, s, u) for g, (s, u) in enumerate(
             zip([0] + self.offs.tolist()[:-1], self.offs.tolist())) if u > s]

@@ -13,16 +13,8 @@ dy_u = dout_t gathered unweighted):
 - ``dh = w * dh_u``, ``dg = swiglu_backward(dh, g)``, and
   ``dW2 = dy_u^T (w * h)``: one pass (:func:`moe_grouped.activation.swiglu_weighted_backward`)
   gives dg, w * h and d w from dh_u and g, in place of g and dh_u;
-- ``dW1 = xp^T dg``; ``dx`` sums ``dg W1^T`` over each token's copies.
-
-In forward, fc1 reads x through the index of each permuted row's token
-(``_source_rows``, ``grouped_fprop_gathered``: the cuda kernel loads those
-rows straight into shared memory, csrc/gemm/sm90_gather_mainloop.cuh), so
-xp is never written. Backward still gathers dy_u and xp into permuted
-copies: its GEMMs read them along K (wgrad), where the gathered kernels are
-slower than the copy plus the plain GEMM on the H100 (fc1's wgrad 0.48x,
-fc2's 0.72x; benchmarks/gathered_gemm.py), and fc2's dgrad shares dy_u with
-fc2's wgrad.
+- ``dW1 = xp^T dg`` with xp gathered again from x; ``dx`` sums
+  ``dg W1^T`` over each token's copies.
 
 Graph-safe like the unfused path (device ``m_splits`` and ``row_id_map``
 only) and deterministic. Without routing (``GroupedMLP`` on permuted input)
@@ -81,21 +73,6 @@ def _gather(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor]
     )
 
 
-def _source_rows(plan: Plan, row_id_map: torch.Tensor) -> torch.Tensor:
-    """[R] int32: the token whose copy sits at each permuted row, -1 where none does.
-
-    The inverse of ``row_id_map`` (copy t * top_k + j -> its row, -1 when
-    dropped): the index the gathered GEMMs read token rows through, in place of
-    a permuted [R, H] copy. Dropped copies scatter into a spare last slot,
-    which is cut off, so every kept row gets exactly one writer.
-    """
-    copies = row_id_map.shape[0]
-    token = torch.arange(copies, device=row_id_map.device, dtype=torch.int32) // plan.top_k
-    target = torch.where(row_id_map >= 0, row_id_map, plan.num_rows).to(torch.int64)
-    source = torch.full((plan.num_rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
-    return source.scatter_(0, target, token)[: plan.num_rows]
-
-
 def _permuted_weights(plan: Plan, probs: torch.Tensor, row_id_map: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[R] routing weight of each permuted row (0 for rows no copy maps to).
 
@@ -143,12 +120,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, fc1_delayed, fc2_delayed, *weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
-        if plan.routed:  # x read through the index: no permuted copy
-            source = _source_rows(plan, row_id_map)
-            g = torch.ops.moe_grouped.grouped_fprop_gathered(tokens, source, w1, m_splits, dtype, gemm)
-            del source
-        else:
-            g = torch.ops.moe_grouped.grouped_fprop(tokens, w1, m_splits, None, dtype, gemm)
+        xp = _gather(plan, tokens, row_id_map)
+        g = torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
+        del xp
         h = swiglu(g, backend=plan.activation_backend)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h

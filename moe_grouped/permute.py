@@ -280,6 +280,22 @@ def permute_index(
     return row_id_map, m_splits, permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
 
 
+def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Tensor:
+    """[num_rows] int32: the token whose copy sits at each permuted row, -1 where none does.
+
+    The inverse of ``row_id_map`` (copy ``t * top_k + j`` -> its permuted row,
+    -1 when dropped), as :func:`permute_index` returns it with ``num_rows``:
+    the index through which the gathered GEMMs (``torch.ops.moe_grouped.
+    grouped_fprop_gathered`` and friends) read token rows in place of a
+    permuted copy. No host sync (graph-safe); deterministic, since each kept
+    row has one copy (dropped copies go to a spare slot that is cut off).
+    """
+    token = torch.arange(row_id_map.shape[0], device=row_id_map.device, dtype=torch.int32) // top_k
+    target = torch.where(row_id_map >= 0, row_id_map, num_rows).to(torch.int64)
+    source = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
+    return source.scatter_(0, target, token)[:num_rows]
+
+
 def unpermute(
     permuted: torch.Tensor,
     row_id_map: torch.Tensor,
@@ -345,6 +361,7 @@ def unpermute(
 __all__ = [
     "permute",
     "permute_index",
+    "source_rows",
     "unpermute",
     "expert_capacity",
     "permuted_rows",

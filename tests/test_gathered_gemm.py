@@ -24,6 +24,7 @@ import torch
 import moe_grouped  # noqa: F401  (registers the ops)
 from moe_grouped import _core, backends
 from moe_grouped.ops.common import gather_rows
+from moe_grouped.permute import permute, permute_index, source_rows
 
 from cases import SPLIT_PATTERNS, bounds, make_splits
 
@@ -51,6 +52,34 @@ def make_index(pattern: str, rows: int, source_rows: int, top_k: int, seed: int 
 
 
 # ---- every backend: the op contract ----------------------------------------
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_source_rows_inverts_the_routing_index(capacity_factor):
+    # Experts 0 and 1 take every token: with capacity they drop copies while
+    # the others leave padded rows empty.
+    tokens, top_k, num_experts = 40, 3, 6
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, 8, generator=gen)
+    bias = torch.tensor([2.0, 2.0, 0, 0, 0, 0])
+    experts = (torch.rand(tokens, num_experts, generator=gen) + bias).topk(top_k, dim=1).indices
+    probs = torch.rand(tokens, top_k, generator=gen)
+    pad = capacity_factor is not None
+    row_id_map, _, rows = permute_index(x, experts, num_experts, probs=probs, capacity_factor=capacity_factor,
+                                        pad_to_capacity=pad, backend="torch")
+    index = source_rows(row_id_map, top_k, rows)
+    assert index.dtype == torch.int32 and index.shape == (rows,)
+    mapped = row_id_map >= 0
+    copies = torch.arange(tokens * top_k)[mapped]
+    assert torch.equal(index[row_id_map[mapped].long()], (copies // top_k).int())
+    unmapped = torch.ones(rows, dtype=torch.bool)
+    unmapped[row_id_map[mapped].long()] = False
+    assert bool((index[unmapped] == -1).all())
+    if pad:
+        assert bool(unmapped.any()) and not bool(mapped.all()), "the capacity case should drop and pad"
+    permuted, _, _ = permute(x, experts, num_experts, probs=probs, capacity_factor=capacity_factor,
+                             pad_to_capacity=pad, backend="torch")
+    assert torch.equal(gather_rows(x, index), permuted)
 
 
 def test_gather_rows_reads_zeros_outside_the_source():

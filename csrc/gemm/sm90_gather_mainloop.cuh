@@ -5,17 +5,13 @@
 //
 // It is CUTLASS's ptr-array TMA warp-specialized mainloop (the base class;
 // the consumer side is untouched) with its producer's load replaced for a
-// gathered operand: the producer warp's 32 lanes copy its 16-byte chunks with
-// cp.async, each to the place the operand's 128-byte swizzle gives it in the
-// stage's buffer, so the MMA reads the stage as if TMA had filled it. The
-// other operand still comes by TMA (multicast included). An index outside
-// [0, source_rows), a row past the group's end and columns past the operand's
-// width read zeros (cp.async's zero fill).
-//
-// Why not TMA for the gathered rows: a TMA box of one row (128 bytes) per
-// row works (the hardware swizzles by address) but measured 3-7x slower than
-// the plain GEMM on the H100, the TMA unit taking ~36 cycles per box; cp.async
-// moves a k-tile's 128 rows in 32 warp-wide instructions.
+// gathered operand: two producer warps (the mainloop warp and the kernel's
+// auxiliary-load warp, which GatherPolicy switches on) copy its 16-byte
+// chunks with cp.async, each to the place the operand's 128-byte swizzle
+// gives it in the stage's buffer, so the MMA reads the stage as if TMA had
+// filled it. The other operand still comes by TMA (multicast included). An
+// index outside [0, source_rows), a row past the group's end and columns past
+// the operand's width read zeros (cp.async's zero fill).
 //
 // Which dimension the index runs along follows from the operand's layout:
 //   K-major (fprop/dgrad A, x[M, K]): the index picks the tile's M rows; each
@@ -23,11 +19,21 @@
 //   MN-major (wgrad A = dy^T, B = x; K = the group's tokens): the index picks
 //     the k-tile's 64 token rows; each copies BLK_MN elements of its row.
 //
-// Completion: every lane arrives on the stage's full barrier with
-// cp.async.mbarrier.arrive (counted as pending until its copies land) before
-// the leader's arrive_and_expect_tx, whose byte count covers only the TMA
-// operand (Params::tma_transaction_bytes, which the kernel gives the
-// pipeline). The stage is released to the MMA when both have landed.
+// Completion: every lane of both warps arrives on the stage's full barrier
+// with cp.async.mbarrier.arrive (pending until its copies land); the warps
+// then meet at a named barrier, and only then does the leader arrive with
+// arrive_and_expect_tx, whose byte count covers only the TMA operand
+// (Params::tma_transaction_bytes, which the kernel gives the pipeline).
+//
+// Measured on the H100 (benchmarks/gathered_gemm.py, results/gathered_gemm-
+// h100.json), against the permute kernel's copy plus the plain kernel:
+// K-major gathers break even (fprop 0.85-1.06x, dgrad 0.93-1.32x over the
+// five experts-path shapes); MN-major ones are slower (wgrad 0.42-0.74x): the
+// producer warps, at the kernel's 40 registers each, issue the copies too
+// slowly for the MMA. Tried and dropped (Qwen3-like shape): one TMA box
+// per 128-byte row (exact, as the hardware swizzles by address, but the
+// GEMMs took 2.5-7x the plain kernel's time: the TMA unit's per-box cost),
+// and one producer warp (0.31-0.67x of the copy plus the plain kernel).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
