@@ -15,7 +15,7 @@ import torch
 from .. import _core
 from ..graphs import nvtx
 from . import cuda_backend, reference_backend, torch_backend
-from .common import gather_rows, num_groups_of, offsets_with_zero
+from .common import gather_rows, gathered_operands, num_groups_of, offsets_with_zero
 
 # All imported up front (cuda_backend imports without the core and calls it
 # only when an op runs): an import inside a compiled region breaks the graph.
@@ -185,9 +185,7 @@ def grouped_wgrad_gathered_(
         if op is not None:
             op(dy, dy_index, x, x_index, m_splits, out, accumulate)
             return
-        dy = dy if dy_index is None else gather_rows(dy, dy_index)
-        x = x if x_index is None else gather_rows(x, x_index)
-        backend_module(backend).wgrad(dy, x, m_splits, out, accumulate)
+        backend_module(backend).wgrad(*gathered_operands(dy, dy_index, x, x_index), m_splits, out, accumulate)
 
 
 @grouped_wgrad_gathered_.register_fake

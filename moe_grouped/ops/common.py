@@ -58,3 +58,11 @@ def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     valid = (index >= 0) & (index < rows)
     picked = source.index_select(0, index.clamp(0, rows - 1).to(torch.int64))
     return torch.where(valid.view(-1, *([1] * (source.dim() - 1))), picked, picked.new_zeros(()))
+
+
+def gathered_operands(dy, dy_index, x, x_index) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gathered wgrad's operands made into tensors: each one's rows gathered where it has an index."""
+    return (
+        dy if dy_index is None else gather_rows(dy, dy_index),
+        x if x_index is None else gather_rows(x, x_index),
+    )

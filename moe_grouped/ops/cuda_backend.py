@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _core
-from .common import gather_rows, is_grouped_layout
+from .common import gather_rows, gathered_operands, is_grouped_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -250,48 +250,38 @@ def _row_gather(source: torch.Tensor, index: torch.Tensor) -> tuple[_core.RowGat
     return _core.RowGather(index=index.data_ptr(), source_rows=source.shape[0]), index
 
 
-def fprop_gathered(
-    source: torch.Tensor, index: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+def _gathered(kind: str, source, index, weights, m_splits, out_dtype) -> torch.Tensor:
+    """fprop (``kind`` "fprop": [rows, N]) or dgrad ("dgrad": [rows, K]) of ``source[index]``."""
     if not gathers(source, out_dtype):
-        return fprop(gather_rows(source, index), weights, m_splits, None, out_dtype)
+        rows = gather_rows(source, index)
+        if kind == "fprop":
+            return fprop(rows, weights, m_splits, None, out_dtype)
+        return dgrad(rows, weights, m_splits, out_dtype)
     lib = _core.require()
     _check_out_dtype(out_dtype, source.dtype)
     num_groups, n, k = _matrix_shape(weights)
     source = source.contiguous()
     rows, index = _row_gather(source, index)
-    y = torch.empty(index.shape[0], n, dtype=out_dtype, device=source.device)
-    problem = _problem(y, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
-    _core.check(
-        lib.mg_grouped_fprop_gathered(
-            ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), y.data_ptr(),
-            _core.dtype_code(out_dtype), _core.stream_handle(source.device),
-        )
-    )
-    return y
+    out = torch.empty(index.shape[0], n if kind == "fprop" else k, dtype=out_dtype, device=source.device)
+    problem = _problem(out, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    entry = lib.mg_grouped_fprop_gathered if kind == "fprop" else lib.mg_grouped_dgrad_gathered
+    _core.check(entry(ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), out.data_ptr(),
+                      _core.dtype_code(out_dtype), _core.stream_handle(source.device)))
+    return out
+
+
+def fprop_gathered(
+    source: torch.Tensor, index: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return _gathered("fprop", source, index, weights, m_splits, out_dtype)
 
 
 def dgrad_gathered(
     source: torch.Tensor, index: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    if not gathers(source, out_dtype):
-        return dgrad(gather_rows(source, index), weights, m_splits, out_dtype)
-    lib = _core.require()
-    _check_out_dtype(out_dtype, source.dtype)
-    num_groups, n, k = _matrix_shape(weights)
-    source = source.contiguous()
-    rows, index = _row_gather(source, index)
-    dx = torch.empty(index.shape[0], k, dtype=out_dtype, device=source.device)
-    problem = _problem(dx, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
-    _core.check(
-        lib.mg_grouped_dgrad_gathered(
-            ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), dx.data_ptr(),
-            _core.dtype_code(out_dtype), _core.stream_handle(source.device),
-        )
-    )
-    return dx
+    return _gathered("dgrad", source, index, weights, m_splits, out_dtype)
 
 
 def wgrad_gathered(
@@ -304,9 +294,7 @@ def wgrad_gathered(
     accumulate: bool,
 ) -> None:
     if not all(gathers(t) for t, i in ((dy, dy_index), (x, x_index)) if i is not None):
-        dy = dy if dy_index is None else gather_rows(dy, dy_index)
-        x = x if x_index is None else gather_rows(x, x_index)
-        wgrad(dy, x, m_splits, out, accumulate)
+        wgrad(*gathered_operands(dy, dy_index, x, x_index), m_splits, out, accumulate)
         return
     lib = _core.require()
     out_dtype = out[0].dtype
