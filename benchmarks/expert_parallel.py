@@ -9,9 +9,8 @@ plain ``python`` for one GPU):
 Every rank routes T = 8192 tokens of its own; each holds E / ep experts of
 ``moe_grouped.parallel.ExpertParallelMoELayer`` (bf16, the cuda backend where
 the core is built, else torch). The transport is the layer's ``auto``:
-``local`` on one GPU, ``symm_mem`` (NVSHMEM) where the group fits its kernels
-(ep <= 16 ranks, E / ep <= 16 experts per rank), else ``all_to_all`` (host
-splits; eager only).
+``local`` on one GPU, ``symm_mem`` (NVSHMEM) for up to 16 ranks, else
+``all_to_all`` (host splits; eager only).
 
 ops (rows carry ``ep`` and ``transport``):
   dispatch_combine   the transport's dispatch of one routed step's token copies
@@ -36,7 +35,7 @@ Shapes (no shared expert, softmax router):
   qwen3_30b   hidden 2048, ffn 768,  128 experts, top-8 (Qwen3-30B-A3B's MoE)
   dsv2_lite   hidden 2048, ffn 1408,  64 experts, top-6 (DeepSeek-V2-Lite's MoE)
 
-Rank 0 writes results/expert_parallel-<gpu>.json (one file; rows name ep).
+Rank 0 writes results/expert_parallel_ep<N>-<gpu>.json (one file per group size).
 """
 
 from __future__ import annotations
@@ -99,11 +98,13 @@ SHAPES = [
 
 def init() -> tuple[int, int]:
     """The process group: torchrun's, or one rank of this process."""
+    # NVSHMEM's team manager is pinned to one device index: name it everywhere.
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl", device_id=device)
     else:
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -256,7 +257,7 @@ def main() -> None:
         say(f"{shape.label}: ep {ep}, {shape.experts // ep} experts per rank")
         rows += bench_shape(shape, backend, flush, ep)
     if rank == 0:
-        path = write_results("expert_parallel", rows)
+        path = write_results(f"expert_parallel_ep{ep}", rows)
         print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")
     dist.barrier()
     dist.destroy_process_group()

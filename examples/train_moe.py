@@ -158,8 +158,12 @@ def setup_expert_parallel(args) -> None:
     if "RANK" not in os.environ:
         raise SystemExit("--ep runs under torchrun, e.g. torchrun --nproc-per-node 2 examples/train_moe.py --ep 2")
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        # NVSHMEM's team manager is pinned to one device index: name it everywhere.
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     if dist.get_world_size() != args.ep:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, torchrun started {dist.get_world_size()}")
     if dist.get_rank() != 0:

@@ -13,7 +13,15 @@ import moe_grouped
 from moe_grouped import MoELayer
 from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer, SymmMemTransport
 from moe_grouped.parallel.layer import plan_sends
-from moe_grouped.parallel.transport import SYMM_MEM_MAX_LOCAL_EXPERTS, LocalTransport, _chunk_rows
+from moe_grouped.ops.common import gather_rows
+from moe_grouped.parallel.transport import (
+    LocalTransport,
+    bin_layout,
+    buffer_order,
+    expert_bins,
+    receive_index,
+    return_index,
+)
 
 from cases import calc_diff
 
@@ -76,6 +84,93 @@ def test_send_plan_keeps_the_first_copies_per_destination_up_to_the_budget(ep_si
         assert send_map.tolist() == want[0], case
         assert in_splits.tolist() == want[1], case
         assert int(dropped) == want[2], case
+
+
+# ------------------------------------------------------------------ symm_mem's bins (no processes)
+@pytest.mark.parametrize("ne", range(1, 130))
+def test_expert_bins_cover_the_experts_in_at_most_16_bins(ne):
+    bins, per_bin = expert_bins(ne)
+    assert bins <= 16 and bins * per_bin >= ne > (bins - 1) * per_bin, (ne, bins, per_bin)
+    assert per_bin == 1 or ne > 16
+
+
+def vdev_2d_dispatch(sends, splits, ep, ne, bins, per_bin, capacity):
+    """What torch's all_to_all_vdev_2d leaves on each rank when every rank sends per (rank, bin):
+    chunks bin-major, then by source (each a contiguous run of the source's rank-major send
+    buffer), an empty bin still taking one row; stale rows are NaN. Also each rank's layout."""
+    buffers, layouts = [], []
+    for r in range(ep):
+        rows, chunk_rows, chunk_starts = [], [], []
+        for b in range(bins):
+            first_expert, last_expert = b * per_bin, min((b + 1) * per_bin, ne)
+            bin_start = len(rows)
+            for s in range(ep):
+                first = int(splits[s][: r * ne + first_expert].sum())
+                n = int(splits[s][r * ne + first_expert : r * ne + last_expert].sum())
+                chunk_rows.append(n)
+                chunk_starts.append(len(rows))
+                rows += list(sends[s][first : first + n])
+            if len(rows) == bin_start:
+                rows.append(torch.full_like(sends[0][0], float("nan")))
+        rows += [torch.full_like(sends[0][0], float("nan"))] * (capacity + bins - len(rows))
+        buffers.append(torch.stack(rows))
+        layouts.append(torch.tensor([chunk_rows, chunk_starts]))
+    return buffers, layouts
+
+
+def vdev_2d_combine(buffers, layouts, ep):
+    """torch's all_to_all_vdev_2d_offset with those layouts: each source gets back, rank-major,
+    every (rank, bin) chunk it sent."""
+    back = []
+    for s in range(ep):
+        rows = []
+        for r in range(ep):
+            chunk_rows, chunk_starts = layouts[r].view(2, -1, ep)
+            for b in range(chunk_rows.shape[0]):
+                start, n = int(chunk_starts[b, s]), int(chunk_rows[b, s])
+                rows.append(buffers[r][start : start + n])
+        back.append(torch.cat(rows))
+    return back
+
+
+@pytest.mark.parametrize("ep", [2, 3])
+@pytest.mark.parametrize("ne", [1, 4, 16, 17, 20, 64])
+def test_symm_mem_reorder_turns_torchs_bin_layout_into_packed_expert_major_and_back(ep, ne):
+    bins, per_bin = expert_bins(ne)
+    generator = torch.Generator().manual_seed(ep * 100 + ne)
+    capacity = 6 * ep * ne
+    splits = []
+    for s in range(ep):
+        counts = torch.randint(0, 6, (ep * ne,), generator=generator)
+        counts[torch.rand(ep * ne, generator=generator) < 0.4] = 0  # empty experts, and empty bins
+        if s == 0:
+            counts[: ne] = 0  # rank 0's experts get nothing from rank 0
+        splits.append(counts)
+    sends = [torch.randn(int(c.sum()) + 3, 8, generator=generator) for c in splits]
+    buffers, layouts = vdev_2d_dispatch(sends, splits, ep, ne, bins, per_bin, capacity)
+    returned = []
+    for r in range(ep):
+        counts = torch.stack([splits[s].view(ep, ne)[r] for s in range(ep)], dim=1)  # [ne, ep]
+        assert torch.equal(bin_layout(counts, bins, per_bin), layouts[r]), f"rank {r}: torch's layout"
+        gather = receive_index(counts, bins, per_bin, capacity)
+        recv = gather_rows(buffers[r], gather)
+        want = [
+            sends[s][int(splits[s][: r * ne + e].sum()) :][: int(counts[e, s])] for e in range(ne) for s in range(ep)
+        ]
+        want = torch.cat(want)
+        total = want.shape[0]
+        assert torch.equal(recv[:total], want), f"rank {r}: rows not packed expert-major"
+        assert not recv[total:].any(), f"rank {r}: rows past the total are not zero"
+        back = return_index(counts, bins, per_bin, capacity + bins, buffer_order(ne, ep, bins, per_bin))
+        inside = gather >= 0
+        assert torch.equal(back[gather[inside]], torch.arange(capacity)[inside]), f"rank {r}: not inverse"
+        assert int((back >= 0).sum()) == total
+        y = recv * 2 + 1  # what the experts return, in recv's layout
+        returned.append(y.index_select(0, back.clamp(min=0)))
+    combined = vdev_2d_combine(returned, layouts, ep)
+    for s in range(ep):
+        sent = sends[s][: int(splits[s].sum())]
+        assert torch.equal(combined[s], sent * 2 + 1), f"rank {s}: the combine did not return its rows"
 
 
 # ------------------------------------------------------------------ several gloo processes
@@ -301,10 +396,8 @@ def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group):
 
 
 class GappedLocalTransport(LocalTransport):
-    """One rank with symm_mem's dispatch layout: an expert that receives nothing still gets one row.
-
-    The rows outside the chunks start as NaN, as stale buffer memory might be.
-    """
+    """One rank whose dispatch leaves a (zero) row for an expert that receives nothing, as torch's
+    all_to_all_vdev_2d does: the layer must take the layout's offsets, not assume packed chunks."""
 
     def recv_rows(self, capacity):
         return capacity + self.num_local_experts
@@ -319,9 +412,9 @@ class GappedLocalTransport(LocalTransport):
 
     def dispatch(self, send, in_splits, recv_rows):
         targets, layout = self._targets(in_splits)
-        recv = send.new_full((recv_rows, send.shape[1]), float("nan"))
+        recv = send.new_zeros((recv_rows, send.shape[1]))
         recv[targets] = send[: targets.shape[0]]
-        return _chunk_rows(recv, layout), layout
+        return recv, layout
 
     def combine(self, y, layout, in_splits, send_rows):
         targets, _ = self._targets(in_splits)
@@ -364,8 +457,8 @@ def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, drop_policy="random")
     with pytest.raises(ValueError, match="symm_mem transport needs at least 2 ranks"):
         SymmMemTransport(one_rank_group, 1, 4, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match=f"at most 16 ranks and {SYMM_MEM_MAX_LOCAL_EXPERTS} experts per rank"):
-        SymmMemTransport(one_rank_group, 2, 32, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="at most 16 ranks, got ep_size=17"):
+        SymmMemTransport(one_rank_group, 17, 4, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
 
 
 def test_layer_needs_an_initialised_process_group():

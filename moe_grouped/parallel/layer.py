@@ -86,7 +86,7 @@ class ExpertParallelMoELayer(nn.Module):
     ``"all_to_all"`` (host-read counts; NCCL or gloo; not capturable),
     ``"local"`` (one rank; capturable), ``"auto"`` (``local`` for one rank,
     else ``symm_mem`` where NVSHMEM loads and the group fits its kernels —
-    at most 16 ranks and 16 experts per rank — else ``all_to_all``).
+    at most 16 ranks — else ``all_to_all``).
 
     Capacity: each rank receives into a buffer of ``capacity`` rows; each
     source rank sends at most ``capacity // ep_size`` copies to one rank per
@@ -180,7 +180,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
-        self.transport_name = resolve_transport(transport, self.ep_size, self.device, self.num_local_experts)
+        self.transport_name = resolve_transport(transport, self.ep_size, self.device)
         self.capacity_factor, self.drop_policy = capacity_factor, drop_policy
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.backend = backend
@@ -261,7 +261,8 @@ class ExpertParallelMoELayer(nn.Module):
             self.transport_name, self.group, self.ep_size, self.num_local_experts,
             **(
                 dict(max_send_rows=send_rows, capacity=self.capacity, hidden=self.hidden,
-                     dtype=tokens.dtype, device=tokens.device)
+                     dtype=tokens.dtype, device=tokens.device,
+                     row_backend=resolve_backend(self.backend, tokens.device))
                 if self.transport_name == "symm_mem" else {}
             ),
         )

@@ -13,12 +13,11 @@ for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
   — so the rows of each local expert are contiguous and the grouped GEMMs
   take them as they are; rows past the received total are zero. ``layout``
   [2, ne * ep] int64 (device): row 0 the received counts in that order,
-  row 1 their offsets in ``recv``. The chunks are packed except that
-  ``symm_mem`` leaves one row for an expert that receives nothing (torch's
-  kernel never makes an empty bin); such rows are zero.
+  row 1 their offsets in ``recv``. The transports here pack the chunks;
   :func:`local_expert_splits` gives the grouped GEMMs' ``m_splits`` (each
-  local expert's span of rows) from the layout; ``recv_rows`` is
-  :meth:`Transport.recv_rows` of the capacity.
+  local expert's span of rows) from the layout and would also count a gap
+  row between chunks. ``recv_rows`` is :meth:`Transport.recv_rows` of the
+  capacity.
 - ``combine(y, layout, in_splits, send_rows)``: the reverse. ``y`` [R, H] in
   ``recv``'s layout; returns [send_rows, H] in ``send``'s layout (each row
   back where it left from), rows past ``in_splits.sum()`` zero.
@@ -34,8 +33,9 @@ Transports:
   graph. Its buffers are symmetric allocations made once (collectively, outside
   capture) and sized for the largest send and receive; rows are copied into
   them and out of them (the outputs must outlive the next collective, e.g. as
-  tensors saved for backward). torch's kernels limit it to ``ep <= 16`` ranks
-  and ``ne <= 16`` local experts. Collectives of one transport must run in
+  tensors saved for backward). torch's kernels take at most 16 ranks and 16
+  experts per rank; more local experts travel in bins (:func:`expert_bins`).
+  Collectives of one transport must run in
   the same order on every rank, dispatch and combine alternating (as the layer
   does: forward dispatch, combine; backward dispatch, combine): that order is
   what keeps a rank from overwriting a buffer that a peer still reads.
@@ -62,7 +62,8 @@ import torch.distributed as dist
 TRANSPORTS = ("auto", "symm_mem", "all_to_all", "local")
 # torch's all_to_all_vdev_2d kernels (nvshmem_extension.cu): one warp-wide scan
 # over the ranks, one 32-thread tile per local expert in a 512-thread block;
-# the combine swaps the two roles.
+# the combine swaps the two roles. Seen on torch 2.11: "Number of experts must
+# be smaller than NUM_TILES16" for 17 experts per rank.
 SYMM_MEM_MAX_RANKS = 16
 SYMM_MEM_MAX_LOCAL_EXPERTS = 16
 
@@ -97,23 +98,11 @@ def _layout(splits_expert_major: torch.Tensor) -> torch.Tensor:
     return torch.stack([splits_expert_major, _exclusive_cumsum(splits_expert_major)])
 
 
-def _chunk_rows(x: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
-    """``x`` with every row outside the layout's chunks zeroed (new memory), on the device."""
-    rows = x.shape[0]
-    starts = layout[1].clamp(max=rows)
-    ends = (layout[1] + layout[0]).clamp(max=rows)
-    edges = torch.zeros(rows + 1, dtype=torch.int64, device=x.device)
-    edges.index_add_(0, starts, torch.ones_like(starts))
-    edges.index_add_(0, ends, torch.full_like(ends, -1))
-    outside = edges.cumsum(0)[:rows] <= 0  # chunks do not overlap: inside means a count of 1
-    return x.masked_fill(outside.unsqueeze(1), 0)
-
-
 def local_expert_splits(layout: torch.Tensor, num_local_experts: int, ep_size: int) -> torch.Tensor:
     """[ne] rows of each local expert in a dispatch's output: from its first chunk to the next expert's.
 
-    Equals the received counts per expert for packed layouts; counts the one
-    zero row ``symm_mem`` leaves for an expert that receives nothing.
+    Equals the received counts per expert for packed layouts; counts a gap
+    row left between chunks.
     """
     counts = layout[0].view(num_local_experts, ep_size)
     offsets = layout[1].view(num_local_experts, ep_size)
@@ -230,6 +219,90 @@ class AllToAllTransport(Transport):
         return _rows(back, send_rows, torch.tensor(back.shape[0], device=back.device))
 
 
+def expert_bins(num_local_experts: int) -> tuple[int, int]:
+    """``(bins, experts_per_bin)``: the local experts in at most 16 bins of consecutive experts.
+
+    torch's dispatch kernel takes at most 16 experts per rank; the symm_mem
+    transport sends per (rank, bin) instead and reorders the received rows by
+    expert itself (:func:`symm_mem_chunk_starts`).
+    """
+    per_bin = -(-num_local_experts // SYMM_MEM_MAX_LOCAL_EXPERTS)
+    return -(-num_local_experts // per_bin), per_bin
+
+
+def _bins_of(counts: torch.Tensor, bins: int, per_bin: int):
+    """``counts`` [ne, ep] as [bins, per_bin, ep] (padding experts count 0), the (bin, source)
+    chunks' rows [bins, ep] and their first rows in the receive buffer [bins, ep]: bin-major,
+    then source, and a bin that receives nothing still takes one row (torch's kernel rounds an
+    empty bin up to ``major_align``, 1)."""
+    ne, ep = counts.shape
+    by_bin = counts.new_zeros(bins * per_bin, ep)
+    by_bin[:ne] = counts
+    by_bin = by_bin.view(bins, per_bin, ep)
+    chunk_rows = by_bin.sum(1)
+    bin_rows = chunk_rows.sum(1).clamp(min=1)
+    chunk_start = _exclusive_cumsum(bin_rows).unsqueeze(1) + chunk_rows.cumsum(1) - chunk_rows
+    return by_bin, chunk_rows, chunk_start
+
+
+def symm_mem_chunk_starts(counts: torch.Tensor, bins: int, per_bin: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each (local expert, source rank) chunk of a dispatch lies, packed and in torch's buffer.
+
+    ``counts`` [ne, ep] rows each source sends each local expert. Returns
+    ``(packed, buffered)``, both [ne, ep]: a chunk's first row in the packed
+    expert-major layout (the transport's output) and in the receive buffer as
+    ``all_to_all_vdev_2d`` fills it, where a (bin, source) chunk holds the
+    bin's experts in order.
+    """
+    ne, ep = counts.shape
+    packed = _exclusive_cumsum(counts.reshape(-1)).view(ne, ep)
+    by_bin, _, chunk_start = _bins_of(counts, bins, per_bin)
+    buffered = chunk_start.unsqueeze(1) + by_bin.cumsum(1) - by_bin
+    return packed, buffered.view(bins * per_bin, ep)[:ne]
+
+
+def segment_index(rows: int, starts: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[rows] for every row r of one layout, the row of another layout it maps to, -1 where none does.
+
+    Segment i covers rows ``starts[i] .. starts[i] + lengths[i] - 1`` and maps
+    them, in order, to rows from ``targets[i]``; ``starts`` is non-decreasing
+    and the segments do not overlap. On the device, without a host read.
+    """
+    row = torch.arange(rows, device=starts.device)
+    segment = (torch.searchsorted(starts, row, right=True) - 1).clamp(min=0)
+    offset = row - starts[segment]
+    return torch.where((offset >= 0) & (offset < lengths[segment]), targets[segment] + offset, -1)
+
+
+def bin_layout(counts: torch.Tensor, bins: int, per_bin: int) -> torch.Tensor:
+    """[2, bins * ep] the layout ``all_to_all_vdev_2d`` writes for [ne, ep] received counts:
+    each (bin, source) chunk's rows, then its first row in the receive buffer."""
+    _, chunk_rows, chunk_start = _bins_of(counts, bins, per_bin)
+    return torch.stack([chunk_rows.reshape(-1), chunk_start.reshape(-1)])
+
+
+def receive_index(counts: torch.Tensor, bins: int, per_bin: int, rows: int) -> torch.Tensor:
+    """[rows] the receive-buffer row of each row of the packed expert-major layout (-1 past the total)."""
+    packed, buffered = symm_mem_chunk_starts(counts, bins, per_bin)
+    return segment_index(rows, packed.reshape(-1), counts.reshape(-1), buffered.reshape(-1))
+
+
+def buffer_order(ne: int, ep: int, bins: int, per_bin: int) -> torch.Tensor:
+    """The (expert, source) chunks, as indices into ``counts.reshape(-1)`` ([ne, ep]), in the order
+    the receive buffer holds them: bin, then source, then the bin's experts. On the CPU: fixed by
+    the sizes, so it is made once and kept on the device (a boolean mask under capture would sync)."""
+    expert = torch.arange(bins * per_bin).view(bins, 1, per_bin)
+    order = (expert * ep + torch.arange(ep).view(1, ep, 1)).reshape(-1)
+    return order[order < ne * ep]
+
+
+def return_index(counts: torch.Tensor, bins: int, per_bin: int, rows: int, order: torch.Tensor) -> torch.Tensor:
+    """[rows] the packed row that each receive-buffer row holds (-1 where none): :func:`receive_index`
+    inverted. ``order`` is :func:`buffer_order` on ``counts``' device."""
+    packed, buffered = symm_mem_chunk_starts(counts, bins, per_bin)
+    return segment_index(rows, buffered.reshape(-1)[order], counts.reshape(-1)[order], packed.reshape(-1)[order])
+
+
 class SymmMemTransport(Transport):
     """PyTorch symmetric memory (NVSHMEM): device-side counts, capturable.
 
@@ -237,9 +310,17 @@ class SymmMemTransport(Transport):
     rank of ``group`` must construct it, outside CUDA graph capture:
     ``max_send_rows`` x ``hidden`` and :meth:`recv_rows` x ``hidden`` rows of
     ``dtype`` plus the count/offset tables. Nothing is allocated afterwards.
-    The receive buffer has ``capacity`` rows plus one per local expert, for the
-    row torch's dispatch gives an expert that receives nothing (``major_align``
-    1 still rounds an empty bin up to one row).
+
+    torch's dispatch kernel takes at most 16 experts per rank. With more, the
+    local experts travel in 16 or fewer bins of consecutive experts
+    (:func:`expert_bins`) and a second, small collective exchanges the
+    per-expert counts; either way the received rows are gathered out of the
+    receive buffer into the packed expert-major layout (one pass that the
+    output needs anyway, since it must outlive the buffer), and the combine
+    gathers them back in. The receive buffer has ``capacity`` rows plus one
+    per bin, for the row torch's kernel gives a bin that receives nothing.
+    ``row_backend`` names the permutation backend that does the gather
+    (``"cuda"`` or ``"torch"``).
     """
 
     name = "symm_mem"
@@ -256,6 +337,7 @@ class SymmMemTransport(Transport):
         hidden: int,
         dtype: torch.dtype,
         device: torch.device,
+        row_backend: str = "torch",
     ):
         super().__init__(group, ep_size, num_local_experts)
         if ep_size < 2:
@@ -263,15 +345,16 @@ class SymmMemTransport(Transport):
                 "the symm_mem transport needs at least 2 ranks (NVSHMEM rendezvous refuses a group of "
                 "one); use transport='local' for ep_size 1"
             )
-        if ep_size > SYMM_MEM_MAX_RANKS or num_local_experts > SYMM_MEM_MAX_LOCAL_EXPERTS:
+        if ep_size > SYMM_MEM_MAX_RANKS:
             raise ValueError(
-                f"torch's all_to_all_vdev_2d kernels take at most {SYMM_MEM_MAX_RANKS} ranks and "
-                f"{SYMM_MEM_MAX_LOCAL_EXPERTS} experts per rank, got ep_size={ep_size} and "
-                f"{num_local_experts} experts per rank; use transport='all_to_all'"
+                f"torch's all_to_all_vdev_2d kernels take at most {SYMM_MEM_MAX_RANKS} ranks, got "
+                f"ep_size={ep_size}; use transport='all_to_all'"
             )
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the symm_mem transport runs on CUDA devices, got {device}")
+        # NVSHMEM's team manager is pinned to the first device index it sees: always name one.
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         if _capturing(torch.empty(0, device=device)):
             raise RuntimeError("symmetric buffers cannot be allocated during CUDA graph capture")
         import torch.distributed._symmetric_memory as symm_mem
@@ -280,62 +363,93 @@ class SymmMemTransport(Transport):
             raise RuntimeError("the symm_mem transport needs NVSHMEM, which this torch cannot load")
         if symm_mem.get_backend(device) != "NVSHMEM":
             symm_mem.set_backend("NVSHMEM")
-        self.group_name = group.group_name
-        splits = ep_size * num_local_experts
+        self.group_name, self.device, self.row_backend = group.group_name, device, row_backend
+        self.bins, self.per_bin = expert_bins(num_local_experts)
+        self.buffer_order = buffer_order(num_local_experts, ep_size, self.bins, self.per_bin).to(device)
 
         def symmetric(*shape, dtype):
             buffer = symm_mem.empty(*shape, dtype=dtype, device=device)
             symm_mem.rendezvous(buffer, self.group_name)
             return buffer
 
-        # Two row buffers suffice because dispatch and combine alternate: a dispatch pulls
-        # from peers' token buffers into the local expert buffer, a combine the reverse, and
-        # each starts with a barrier that peers reach only after finishing the previous one.
-        self.token_buffer = symmetric(max_send_rows, hidden, dtype=dtype)
-        self.expert_buffer = symmetric(self.recv_rows(capacity), hidden, dtype=dtype)
-        self.dispatch_in = symmetric(splits, dtype=torch.int64)
-        self.dispatch_out = symmetric(2, splits, dtype=torch.int64)
-        self.combine_in = symmetric(2, splits, dtype=torch.int64)
-        self.combine_out = symmetric(2, splits, dtype=torch.int64)
+        with torch.cuda.device(device):
+            # Two row buffers suffice because dispatch and combine alternate: a dispatch pulls
+            # from peers' token buffers into the local expert buffer, a combine the reverse, and
+            # each starts with a barrier that peers reach only after finishing the previous one.
+            self.token_buffer = symmetric(max_send_rows, hidden, dtype=dtype)
+            self.expert_buffer = symmetric(capacity + self.bins, hidden, dtype=dtype)
+            self.dispatch_in = symmetric(ep_size * self.bins, dtype=torch.int64)
+            self.dispatch_out = symmetric(2, ep_size * self.bins, dtype=torch.int64)
+            self.combine_in = symmetric(2, ep_size * self.bins, dtype=torch.int64)
+            self.combine_out = symmetric(2, ep_size * self.bins, dtype=torch.int64)
+            if self.per_bin > 1:
+                # The per-expert counts: one row of ne counts to each rank, received source-major.
+                self.counts_in = symmetric(ep_size, num_local_experts, dtype=torch.int64)
+                self.counts_out = symmetric(ep_size, num_local_experts, dtype=torch.int64)
+                self.counts_splits = symmetric(ep_size, dtype=torch.int64)
+                self.counts_splits.fill_(1)
+                self.counts_layout = symmetric(2, ep_size, dtype=torch.int64)
 
-    def recv_rows(self, capacity: int) -> int:
-        return capacity + self.num_local_experts
-
-    def _check_rows(self, what: str, x: torch.Tensor, buffer: torch.Tensor) -> None:
-        if x.shape[0] > buffer.shape[0] or x.shape[1] != buffer.shape[1] or x.dtype != buffer.dtype:
+    def _check_rows(self, what: str, x: torch.Tensor, rows: int) -> None:
+        buffer = self.token_buffer
+        if x.shape[0] > rows or x.shape[1] != buffer.shape[1] or x.dtype != buffer.dtype:
             raise ValueError(
-                f"{what} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the symmetric "
-                f"buffer of shape {tuple(buffer.shape)} and dtype {buffer.dtype} allocated at construction"
+                f"{what} of shape {tuple(x.shape)} and dtype {x.dtype} does not fit the symmetric buffers "
+                f"({rows} rows of {buffer.shape[1]} {buffer.dtype}) allocated at construction"
             )
 
+    def _received_counts(self, in_splits: torch.Tensor) -> torch.Tensor:
+        """[ne, ep] rows each source sent each local expert (after the dispatch's collective)."""
+        ne, ep = self.num_local_experts, self.ep_size
+        if self.per_bin == 1:  # bins are experts: the dispatch's own counts, [expert, source]
+            return self.dispatch_out[0].view(ne, ep).clone()
+        self.counts_in.copy_(in_splits.view(ep, ne))
+        torch.ops.symm_mem.all_to_all_vdev_2d(
+            self.counts_in, self.counts_out, self.counts_splits, self.counts_layout, self.group_name
+        )
+        return self.counts_out.t().clone()
+
+    def _bin_splits(self, in_splits: torch.Tensor) -> torch.Tensor:
+        if self.per_bin == 1:
+            return in_splits
+        ep, ne = self.ep_size, self.num_local_experts
+        padded = in_splits.new_zeros(ep, self.bins * self.per_bin)
+        padded[:, :ne] = in_splits.view(ep, ne)
+        return padded.view(ep, self.bins, self.per_bin).sum(2).reshape(-1)
+
     def dispatch(self, send, in_splits, recv_rows):
-        self._check_rows("send", send, self.token_buffer)
-        if recv_rows != self.expert_buffer.shape[0]:
-            raise ValueError(f"recv_rows must be {self.expert_buffer.shape[0]} (the receive buffer), got {recv_rows}")
+        self._check_rows("send", send, self.token_buffer.shape[0])
+        if recv_rows != self.expert_buffer.shape[0] - self.bins:
+            raise ValueError(f"recv_rows must be {self.expert_buffer.shape[0] - self.bins} (the capacity), got {recv_rows}")
         # Whole buffers go to the collective (never views): peers address them by the same offsets.
         self.token_buffer[: send.shape[0]].copy_(send)
-        self.dispatch_in.copy_(in_splits)
+        self.dispatch_in.copy_(self._bin_splits(in_splits))
         torch.ops.symm_mem.all_to_all_vdev_2d(
             self.token_buffer, self.expert_buffer, self.dispatch_in, self.dispatch_out, self.group_name
         )
-        layout = self.dispatch_out.clone()
-        return _chunk_rows(self.expert_buffer, layout), layout
+        counts = self._received_counts(in_splits)
+        gather = receive_index(counts, self.bins, self.per_bin, recv_rows)
+        recv = torch.ops.moe_grouped.unpermute_rows(self.expert_buffer, gather, None, 1, self.row_backend)
+        return recv, _layout(counts.reshape(-1))
 
     def combine(self, y, layout, in_splits, send_rows):
-        self._check_rows("y", y, self.expert_buffer)
+        self._check_rows("y", y, self.expert_buffer.shape[0] - self.bins)
         if send_rows > self.token_buffer.shape[0]:
             raise ValueError(f"send_rows {send_rows} exceeds the token buffer's {self.token_buffer.shape[0]} rows")
-        self.expert_buffer[: y.shape[0]].copy_(y)
-        self.combine_in.copy_(layout)
+        counts = layout[0].view(self.num_local_experts, self.ep_size)
+        source = return_index(counts, self.bins, self.per_bin, self.expert_buffer.shape[0], self.buffer_order)
+        # Rows no chunk covers are never sent: any row of y will do there.
+        torch.index_select(y, 0, source.clamp(min=0, max=y.shape[0] - 1), out=self.expert_buffer)
+        self.combine_in.copy_(bin_layout(counts, self.bins, self.per_bin))
         torch.ops.symm_mem.all_to_all_vdev_2d_offset(
             self.expert_buffer, self.token_buffer, self.combine_in, self.combine_out, self.group_name
         )
         return _rows(self.token_buffer, send_rows, in_splits.sum())
 
 
-def resolve_transport(name: str, ep_size: int, device: torch.device, num_local_experts: int = 1) -> str:
+def resolve_transport(name: str, ep_size: int, device: torch.device) -> str:
     """The transport ``name`` stands for. ``auto``: ``local`` for one rank; else ``symm_mem``
-    on CUDA where NVSHMEM loads and the group fits its kernels' limits; else ``all_to_all``."""
+    on CUDA where NVSHMEM loads and the group has at most 16 ranks; else ``all_to_all``."""
     if name not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
     if name == "local" and ep_size != 1:
@@ -344,8 +458,7 @@ def resolve_transport(name: str, ep_size: int, device: torch.device, num_local_e
         return name
     if ep_size == 1:
         return "local"
-    fits = ep_size <= SYMM_MEM_MAX_RANKS and num_local_experts <= SYMM_MEM_MAX_LOCAL_EXPERTS
-    if fits and torch.device(device).type == "cuda":
+    if ep_size <= SYMM_MEM_MAX_RANKS and torch.device(device).type == "cuda":
         import torch.distributed._symmetric_memory as symm_mem
 
         if symm_mem.is_nvshmem_available():
@@ -408,6 +521,11 @@ __all__ = [
     "DispatchFunction",
     "CombineFunction",
     "resolve_transport",
+    "expert_bins",
+    "bin_layout",
+    "receive_index",
+    "return_index",
+    "buffer_order",
     "local_expert_splits",
     "make_transport",
 ]
