@@ -128,3 +128,37 @@ def backends_for(device: str, dtype: torch.dtype = None) -> list[str]:
         if dtype is None or dtype in moe_grouped.ops.cuda_backend.SUPPORTED_DTYPES:
             names.append("cuda")
     return names
+
+
+def layer_train_step(layer):
+    """``step(x, dout)`` for a capture test: the layer's forward and backward, returning the
+    output, the routing's tokens per expert and every parameter's gradient."""
+    params = list(layer.parameters())
+
+    def step(x, dout):
+        for p in params:
+            p.grad = None
+        out = layer(x)
+        out.backward(dout)
+        return [out.detach(), layer.last_routing.tokens_per_expert, *[p.grad for p in params]]
+
+    return step
+
+
+def assert_captured_safely(graph) -> dict:
+    """The captured graph has no host node, host copy, allocation or free; returns its node counts."""
+    from moe_grouped.graphs import inspect as graph_inspect
+
+    counts = graph_inspect.summary(graph_inspect.assert_graph_safe(graph))
+    assert not any(kind.startswith(("mem_alloc", "mem_free", "host")) for kind in counts), counts
+    return counts
+
+
+def reset_grads(layer) -> None:
+    """An MoE layer's gradients to None; with fused wgrad accumulation, zeroed fp32 ``main_grad``
+    on the expert weights (where backward accumulates)."""
+    layer.zero_grad(set_to_none=True)
+    if layer.experts.fc1.fuse_wgrad_accumulation:
+        for linear in (layer.experts.fc1, layer.experts.fc2):
+            for weight in linear.weights():
+                weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)

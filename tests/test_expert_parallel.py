@@ -23,7 +23,7 @@ from moe_grouped.parallel.transport import (
     return_index,
 )
 
-from cases import calc_diff
+from cases import assert_captured_safely, calc_diff, layer_train_step, reset_grads
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 16, 12, 8, 2, 10
 
@@ -174,15 +174,6 @@ def test_symm_mem_reorder_turns_torchs_bin_layout_into_packed_expert_major_and_b
 
 
 # ------------------------------------------------------------------ several gloo processes
-def reset_grads(layer) -> None:
-    """Gradients to None; with fused accumulation, zeroed fp32 ``main_grad`` on the expert weights."""
-    layer.zero_grad(set_to_none=True)
-    if layer.experts.fc1.fuse_wgrad_accumulation:
-        for linear in (layer.experts.fc1, layer.experts.fc2):
-            for weight in linear.weights():
-                weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
-
-
 def gradient(param):
     """What backward left for ``param``: ``main_grad`` with fused accumulation, else ``grad``."""
     return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
@@ -500,7 +491,6 @@ def test_gpu_ep_size_1_equals_moe_layer(one_rank_group):
 @pytest.mark.gpu
 def test_gpu_ep_size_1_step_captures_and_200_replays_with_new_routing_equal_eager_bitwise(one_rank_group):
     from moe_grouped import graphs
-    from moe_grouped.graphs import inspect as graph_inspect
 
     backend = gpu_backend()
     torch.manual_seed(4)
@@ -509,21 +499,10 @@ def test_gpu_ep_size_1_step_captures_and_200_replays_with_new_routing_equal_eage
         hidden, 128, 8, 2, transport="local", capacity_factor=1.0, single_grouped_weight=True,
         dtype=torch.bfloat16, device="cuda", backend=backend,
     )
-    params = list(layer.parameters())
-
-    def step(x, dout):
-        for p in params:
-            p.grad = None
-        out = layer(x)
-        out.backward(dout)
-        return [out.detach(), layer.last_routing.tokens_per_expert, *[p.grad for p in params]]
-
+    step = layer_train_step(layer)
     static_x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
-    static_dout = torch.randn_like(static_x)
-    captured = graphs.capture_step(step, static_x, static_dout)
-    nodes = graphs.assert_graph_safe(captured.graph)  # no host nodes, no host copies: no syncs
-    counts = graph_inspect.summary(nodes)
-    assert not any(kind.startswith(("mem_alloc", "mem_free", "host")) for kind in counts), counts
+    captured = graphs.capture_step(step, static_x, torch.randn_like(static_x))
+    assert_captured_safely(captured.graph)  # no host nodes or copies (no syncs), no allocations
 
     generator = torch.Generator(device="cuda").manual_seed(5)
     seen = set()

@@ -41,9 +41,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import moe_grouped  # noqa: E402
-from cases import calc_diff  # noqa: E402
+from cases import assert_captured_safely, calc_diff, layer_train_step, reset_grads  # noqa: E402
 from moe_grouped import MoELayer, graphs  # noqa: E402
-from moe_grouped.graphs import inspect as graph_inspect  # noqa: E402
 from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer  # noqa: E402
 from moe_grouped.parallel.layer import plan_sends  # noqa: E402
 
@@ -71,14 +70,6 @@ def make_pair(experts: int, options: dict, **ep_options):
         for name in ("symm_mem", "all_to_all")
     }
     return ref, layers
-
-
-def reset_grads(layer) -> None:
-    layer.zero_grad(set_to_none=True)
-    if layer.experts.fc1.fuse_wgrad_accumulation:
-        for linear in (layer.experts.fc1, layer.experts.fc2):
-            for weight in linear.weights():
-                weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
 
 
 def gradients(layer) -> dict[str, torch.Tensor]:
@@ -184,21 +175,11 @@ def check_replays(experts: int, replays: int, options: dict) -> None:
         backend=backend(), **options,
     )
     steer_router(layer, experts)
-    params = list(layer.parameters())
-
-    def step(x, dout):
-        for p in params:
-            p.grad = None
-        out = layer(x)
-        out.backward(dout)
-        return [out.detach(), layer.last_routing.tokens_per_expert, *[p.grad for p in params]]
-
+    step = layer_train_step(layer)
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     static_x = routed_input("balanced", experts, world, gen, 0)
     captured = graphs.capture_step(step, static_x, torch.randn_like(static_x))
-    nodes = graph_inspect.assert_graph_safe(captured.graph)  # no host nodes or host copies: no syncs
-    counts = graph_inspect.summary(nodes)
-    assert not any(kind.startswith(("mem_alloc", "mem_free", "host")) for kind in counts), counts
+    counts = assert_captured_safely(captured.graph)  # no host nodes or copies (no syncs), no allocations
     seen = {p: set() for p in PATTERNS}
     empty_local = 0
     start = time.perf_counter()
