@@ -8,9 +8,12 @@ plain ``python`` for one GPU):
 
 Every rank routes T = 8192 tokens of its own; each holds E / ep experts of
 ``moe_grouped.parallel.ExpertParallelMoELayer`` (bf16, the cuda backend where
-the core is built, else torch). The transport is the layer's ``auto``:
-``local`` on one GPU, ``symm_mem`` (NVSHMEM) for up to 16 ranks, else
-``all_to_all`` (host splits; eager only).
+the core is built, else torch). Transports (rows name them and the capacity):
+the layer's ``auto`` (``local`` on one GPU, ``symm_mem`` (NVSHMEM) for up to
+16 ranks) at the default capacity, and on several GPUs ``padded_all_to_all``
+(NCCL, fixed-size chunks of capacity / ep rows) at the default capacity and
+at 1.5x and 1.25x the average load (rows a rank); a row whose steps dropped
+copies for lack of room says how many (``dropped_copies``).
 
 ops (rows carry ``ep`` and ``transport``):
   dispatch_combine   the transport's dispatch of one routed step's token copies
@@ -22,7 +25,8 @@ ops (rows carry ``ep`` and ``transport``):
                      "transport" is a device copy.
   nccl_all_to_all    ``torch.distributed.all_to_all_single`` there and back of
                      the same bytes in equal splits: what NCCL does with the
-                     same traffic, balanced and with the splits known.
+                     same traffic, balanced and with the splits known (once
+                     per shape, with the bytes of the first transport).
   fwd_bwd            the layer's forward + backward on new inputs each step
                      (so new routing), eager and as a step captured with
                      ``moe_grouped.graphs.capture_step``; ``wall_ms`` steps
@@ -66,8 +70,7 @@ if not torch.cuda.is_available():
 import moe_grouped  # noqa: E402
 from common import L2Flush, graphed, time_ms, write_results  # noqa: E402
 from moe_grouped import graphs  # noqa: E402
-from moe_grouped.parallel import ExpertParallelMoELayer  # noqa: E402
-from moe_grouped.parallel.layer import plan_sends  # noqa: E402
+from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer  # noqa: E402
 from moe_grouped.permute import resolve_backend  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -118,12 +121,24 @@ def free_memory() -> None:
     torch.cuda.empty_cache()
 
 
-def make_layer(shape: Shape, backend: str) -> ExpertParallelMoELayer:
+def make_layer(shape: Shape, backend: str, transport: str, capacity) -> ExpertParallelMoELayer:
     torch.manual_seed(0)
     return ExpertParallelMoELayer(
         shape.hidden, shape.ffn, shape.experts, shape.top_k, router_options=dict(normalize_topk=True),
         max_tokens=shape.tokens, single_grouped_weight=True, dtype=DTYPE, device="cuda", backend=backend,
+        transport=transport, capacity=capacity,
     )
+
+
+def transports(shape: Shape, ep: int) -> list[tuple[str, object]]:
+    """(transport, capacity) pairs to measure: the layer's ``auto`` at the default (worst-case)
+    capacity, and on several GPUs the fixed-size NCCL one at that capacity and at 1.5x and
+    1.25x the average load (its chunks are capacity // ep rows whatever the load)."""
+    if ep == 1:
+        return [("auto", None)]
+    load = shape.tokens * shape.top_k
+    return [("auto", None), ("padded_all_to_all", None), ("padded_all_to_all", int(1.5 * load)),
+            ("padded_all_to_all", int(1.25 * load))]
 
 
 def make_inputs(shape: Shape, rank: int):
@@ -144,14 +159,16 @@ def wall_ms(step, steps: int = WALL_STEPS) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dict]:
+def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int, transport_name: str, capacity,
+                nccl_reference: bool) -> list[dict]:
     rows = []
-    layer = make_layer(shape, backend)
+    layer = make_layer(shape, backend, transport_name, capacity)
     inputs = make_inputs(shape, dist.get_rank())
     layer(inputs[0][0])  # sets up the transport (symmetric buffers: a collective)
     transport = layer.transport
     base = {"bench": "expert_parallel", "shape": shape.label, "ep": ep, "transport": layer.transport_name,
-            "backend": backend}
+            "capacity": layer.capacity, "backend": backend}
+    say(f" transport {layer.transport_name}, capacity {layer.capacity} rows a rank")
 
     def record(op, variant, fn, bytes_moved=None):
         ms = time_ms(fn, warmup=3, repeats=20, flush=flush)
@@ -173,11 +190,9 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
         row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
             experts, None, shape.experts, -1, False, permute_backend
         )
-        send_map, in_splits, _ = plan_sends(row_id_map, experts.reshape(-1), m_splits, ep, layer.budget)
-        copies = shape.tokens * shape.top_k
-        send = torch.ops.moe_grouped.permute_rows(tokens, send_map, shape.top_k, copies, True, permute_backend)
+        send, _, in_splits = layer.send_buffer(tokens, routing, row_id_map, m_splits, permute_backend)
         recv, layout = transport.dispatch(send, in_splits, layer.recv_rows)
-        transport.combine(recv, layout, in_splits, copies)  # symm_mem needs dispatch, combine alternating
+        transport.combine(recv, layout, in_splits, send.shape[0])  # symm_mem: dispatch, combine alternating
         received = int(layout[0].sum())
     row_bytes = shape.hidden * DTYPE.itemsize
     moved = (int(in_splits.sum()) + received) * row_bytes
@@ -185,7 +200,7 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
     @torch.no_grad()
     def dispatch_combine():
         got, got_layout = transport.dispatch(send, in_splits, layer.recv_rows)
-        transport.combine(got, got_layout, in_splits, copies)
+        transport.combine(got, got_layout, in_splits, send.shape[0])
 
     record("dispatch_combine", "eager", dispatch_combine, moved)
     if transport.capturable:
@@ -193,7 +208,24 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
     del recv
     free_memory()
 
-    # NCCL with about the same bytes (the ranks' largest), in equal splits: every rank the same size.
+    if nccl_reference:
+        time_nccl(shape, moved, row_bytes, ep, record)
+    time_steps(layer, inputs, record)
+    try:
+        layer.check_overflow()
+    except CapacityOverflowError as error:  # dropped copies make a step cheaper: say so in its rows
+        dropped = int(str(error).split()[0])
+        for row in rows:
+            row["dropped_copies"] = dropped
+        say(f"  ({dropped} copies dropped over these steps, all ranks)")
+    del layer
+    free_memory()
+    return rows
+
+
+def time_nccl(shape, moved, row_bytes, ep, record) -> None:
+    """NCCL all_to_all_single with about the bytes the transport moved (the ranks' largest), in
+    equal splits: what NCCL does with the same traffic, balanced and with the sizes known."""
     largest = torch.tensor(moved, device="cuda")
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     per_rank = -(-(int(largest) // 2) // (row_bytes * ep))
@@ -208,6 +240,9 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
     del a, b
     free_memory()
 
+
+def time_steps(layer, inputs, record) -> None:
+    """The layer's forward + backward on new inputs each step, eager and (capturable transports) graphed."""
     params = list(layer.parameters())
     index = [0]
 
@@ -224,7 +259,7 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
         fwd_bwd(x, dout)
 
     record("fwd_bwd", "eager", eager)
-    if transport.capturable:
+    if layer.transport.capturable:
         for p in params:
             p.grad = None
         free_memory()
@@ -237,10 +272,6 @@ def bench_shape(shape: Shape, backend: str, flush: L2Flush, ep: int) -> list[dic
 
         record("fwd_bwd", "graphed", replay)
         del static
-    layer.check_overflow()  # the default capacity never drops; a drop here is a bug
-    del layer
-    free_memory()
-    return rows
 
 
 def main() -> None:
@@ -255,7 +286,8 @@ def main() -> None:
             say(f"{shape.label}: skipped, {shape.experts} experts do not split over {ep} ranks")
             continue
         say(f"{shape.label}: ep {ep}, {shape.experts // ep} experts per rank")
-        rows += bench_shape(shape, backend, flush, ep)
+        for i, (transport, capacity) in enumerate(transports(shape, ep)):
+            rows += bench_shape(shape, backend, flush, ep, transport, capacity, nccl_reference=i == 0)
     if rank == 0:
         path = write_results(f"expert_parallel_ep{ep}", rows)
         print(f"wrote {path} ({time.perf_counter() - start:.0f} s)")

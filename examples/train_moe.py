@@ -39,7 +39,9 @@ over the N ranks with ``moe_grouped.parallel.ExpertParallelMoELayer``: every
 rank trains on its own batches, the replicated parameters' gradients are
 averaged over the ranks (data parallel) and the experts' are divided by N, so
 the step is that of the mean loss over all ranks. ``--ep 1`` runs the same
-code path on one process (the ``local`` transport). Only rank 0 prints.
+code path on one process (the ``local`` transport). ``--ep-transport`` picks
+the transport (``symm_mem``, ``padded_all_to_all``: see the README). Only
+rank 0 prints.
 
 Progress uses tqdm when it is installed (``pip install -e ".[examples]"``)
 and plain prints otherwise.
@@ -135,7 +137,9 @@ def moe_layer(args, dtype, device) -> nn.Module:
         return moe_grouped.MoELayer(args.dim, args.ffn, args.experts, args.top_k, **options)
     from moe_grouped.parallel import ExpertParallelMoELayer
 
-    layer = ExpertParallelMoELayer(args.dim, args.ffn, args.experts, args.top_k, **options)
+    layer = ExpertParallelMoELayer(
+        args.dim, args.ffn, args.experts, args.top_k, transport=getattr(args, "ep_transport", "auto"), **options
+    )
     # The same seed made every rank's parameters equal (right for the replicated ones); each
     # rank's experts are other experts, so they get their own initial values.
     with torch.random.fork_rng(devices=[]):
@@ -513,6 +517,9 @@ def parse_args(argv=None):
     parser.add_argument("--sample", type=int, default=120, help="characters to sample at the end (0: none)")
     parser.add_argument("--ep", type=int, default=None,
                         help="spread the experts over N ranks (expert parallel; launch N processes with torchrun)")
+    parser.add_argument("--ep-transport", default="auto",
+                        choices=("auto", "symm_mem", "padded_all_to_all", "all_to_all", "local"),
+                        help="with --ep: how token copies travel between ranks (default: auto)")
     args = parser.parse_args(argv)
     if args.fp8 and args.backend == "torch":
         parser.error("--fp8 runs on the cuda backend (H100) or the reference backend (emulation), not torch")

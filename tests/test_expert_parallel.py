@@ -84,6 +84,16 @@ def test_send_plan_keeps_the_first_copies_per_destination_up_to_the_budget(ep_si
         assert send_map.tolist() == want[0], case
         assert in_splits.tolist() == want[1], case
         assert int(dropped) == want[2], case
+        # Padded: the same copies, rank r's at rows r * budget onwards in the same order.
+        padded_map, padded_splits, padded_dropped = plan_sends(row_id_map, flat, m_splits, ep_size, budget, True)
+        ne = num_experts // ep_size
+        kept_before = [sum(want[1][: r * ne]) for r in range(ep_size)]
+        want_padded = [
+            -1 if row < 0 else int(flat[c]) // ne * budget + row - kept_before[int(flat[c]) // ne]
+            for c, row in enumerate(want[0])
+        ]
+        assert padded_map.tolist() == want_padded, case
+        assert padded_splits.tolist() == want[1] and int(padded_dropped) == want[2], case
 
 
 # ------------------------------------------------------------------ symm_mem's bins (no processes)
@@ -207,11 +217,11 @@ def expert_slice(name: str, grad: torch.Tensor, rank: int, ne: int) -> torch.Ten
     return f"{stem[0]}.{stem[1].rstrip('0123456789')}{index - rank * ne}", grad
 
 
-def check_against_reference(rank, world, dtype, options, tolerance):
+def check_against_reference(rank, world, dtype, options, tolerance, transport="all_to_all"):
     torch.manual_seed(0)
     ref = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, dtype=dtype, backend="reference", **options)
     ep = ExpertParallelMoELayer(
-        HIDDEN, FFN, EXPERTS, TOP_K, dtype=dtype, backend="reference", transport="all_to_all", **options
+        HIDDEN, FFN, EXPERTS, TOP_K, dtype=dtype, backend="reference", transport=transport, **options
     ).load_from(ref)
     generator = torch.Generator().manual_seed(7)
     xs = [torch.randn(TOKENS + r, HIDDEN, generator=generator).to(dtype) for r in range(world)]
@@ -223,7 +233,7 @@ def check_against_reference(rank, world, dtype, options, tolerance):
         out = run_step(ep, x, douts[rank])
         ep_x[rank] = x
     want_outs, want_x_grads, want_grads = reference_run(ref, xs, douts)
-    case = f"{rank=} {world=} {dtype=} {options=}"
+    case = f"{rank=} {world=} {dtype=} {options=} {transport=}"
 
     def close(name, got, want):
         if dtype == torch.float32:
@@ -286,6 +296,31 @@ def check_overflow_rule(rank, world):
         ep(torch.randn(TOKENS + 1, HIDDEN, dtype=torch.float64))
 
 
+def check_padded_equals_all_to_all(rank, world):
+    """The fixed-size transport gives what the host-split one gives, bit for bit, drops included."""
+    for capacity in (None, 3 * world):
+        torch.manual_seed(5)
+        ref = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, backend="reference", shared_expert_ffn_hidden=8)
+        results = {}
+        for transport in ("all_to_all", "padded_all_to_all"):
+            ep = ExpertParallelMoELayer(
+                HIDDEN, FFN, EXPERTS, TOP_K, backend="reference", transport=transport, capacity=capacity,
+                shared_expert_ffn_hidden=8,
+            ).load_from(ref)
+            x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(rank)).requires_grad_(True)
+            out = run_step(ep, x, torch.ones_like(x))
+            dropped = None
+            if capacity is not None:
+                with pytest.raises(CapacityOverflowError) as error:
+                    ep.check_overflow()
+                dropped = str(error.value).split(" token copies")[0]
+            results[transport] = [out.detach(), x.grad] + [p.grad for p in ep.parameters()] + [dropped]
+        want, got = results["all_to_all"], results["padded_all_to_all"]
+        for i, (a, b) in enumerate(zip(want, got)):
+            same = a == b if isinstance(a, str) or a is None else torch.equal(a, b)
+            assert same, f"{rank=} {capacity=}: result {i} differs between the transports"
+
+
 def check_refusals(rank, world):
     with pytest.raises(ValueError, match=f"multiple of the group's {world} ranks"):
         ExpertParallelMoELayer(HIDDEN, FFN, world * 2 + 1, TOP_K)
@@ -293,6 +328,9 @@ def check_refusals(rank, world):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, transport="local")
     with pytest.raises(ValueError, match=f"capacity must be at least ep_size={world}"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity=world - 1)
+    uneven = ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity=world * (rank + 1))
+    with pytest.raises(ValueError, match=f"capacity must be the same on every rank of the group, got values from {world} to {world * world}"):
+        uneven(torch.randn(TOKENS, HIDDEN))
 
 
 def worker(rank, world, port, cases):
@@ -304,9 +342,10 @@ def worker(rank, world, port, cases):
                 check_refusals(rank, world)
             elif case == "overflow":
                 check_overflow_rule(rank, world)
+            elif case == "padded":
+                check_padded_equals_all_to_all(rank, world)
             else:
-                dtype, options, tolerance = case
-                check_against_reference(rank, world, dtype, options, tolerance)
+                check_against_reference(rank, world, *case)
     finally:
         dist.destroy_process_group()
 
@@ -317,6 +356,8 @@ CASES = [
     (torch.float32, dict(capacity_factor=1.0, drop_policy="position"), 0),
     (torch.float32, dict(fuse_wgrad_accumulation=True, delay_wgrad_compute=True, single_grouped_weight=True), 0),
     (torch.bfloat16, dict(shared_expert_ffn_hidden=8), 2e-3),
+    (torch.float32, dict(capacity_factor=0.75, bias=True, aux_loss_coeff=0.01), 0, "padded_all_to_all"),
+    "padded",
     "overflow",
     "refusals",
 ]

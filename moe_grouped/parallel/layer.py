@@ -29,6 +29,7 @@ def plan_sends(
     m_splits: torch.Tensor,
     ep_size: int,
     budget: int,
+    padded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each token copy goes in the send buffer, on the device.
 
@@ -39,15 +40,20 @@ def plan_sends(
     rank's copies, the first in that order; the others are dropped.
 
     Returns ``(send_map, in_splits, dropped)``: ``send_map`` [T * k] the row
-    of each copy in the packed send buffer (-1: dropped by the capacity factor
-    or past the budget), ``in_splits`` [ep * ne] the rows per (rank, local
-    expert), ``dropped`` the number of copies past the budget (0-d).
+    of each copy in the send buffer (-1: dropped by the capacity factor or
+    past the budget), ``in_splits`` [ep * ne] the rows per (rank, local
+    expert), ``dropped`` the number of copies past the budget (0-d). The send
+    buffer is packed, or with ``padded`` has ``ep * budget`` rows, the rows
+    for rank r from row ``r * budget``.
     """
     counts = m_splits.view(ep_size, -1)
     rank_total = counts.sum(1)
     kept = rank_total.clamp(max=budget)
     rank_start = rank_total.cumsum(0) - rank_total
-    send_start = kept.cumsum(0) - kept
+    if padded:
+        send_start = torch.arange(ep_size, device=counts.device) * budget
+    else:
+        send_start = kept.cumsum(0) - kept
     start_in_rank = counts.cumsum(1) - counts
     in_splits = torch.minimum((budget - start_in_rank).clamp(min=0), counts).reshape(-1)
     rank = experts // counts.shape[1]
@@ -83,6 +89,9 @@ class ExpertParallelMoELayer(nn.Module):
 
     Transports (see :mod:`moe_grouped.parallel.transport`):
     ``"symm_mem"`` (NVSHMEM symmetric memory; CUDA; capturable),
+    ``"padded_all_to_all"`` (fixed-size chunks of ``capacity // ep_size``
+    rows; NCCL or gloo; capturable with NCCL; moves ``capacity`` rows each
+    way, so give it a capacity near the expected load),
     ``"all_to_all"`` (host-read counts; NCCL or gloo; not capturable),
     ``"local"`` (one rank; capturable), ``"auto"`` (``local`` for one rank,
     else ``symm_mem`` where NVSHMEM loads and the group fits its kernels —
@@ -97,8 +106,9 @@ class ExpertParallelMoELayer(nn.Module):
     checks the previous ones when a capacity was set. The default capacity is
     the worst case, ``ep_size * max_tokens * top_k`` (every copy of every
     rank to one rank), which never drops. Buffers are sized once, on the first
-    forward (outside capture), from ``max_tokens`` or that forward's tokens;
-    a later forward with more tokens is refused. The received rows, and so
+    forward (outside capture), from ``max_tokens`` or that forward's tokens,
+    the largest over the group (the ranks agree on it, and ``capacity`` must
+    be the same on every rank); a later forward with more tokens is refused. The received rows, and so
     the experts' activations, are sized by the capacity: the default holds
     ``ep_size`` times the average load, so a smaller capacity trades memory
     (and, with ``symm_mem``, symmetric memory per layer) for a risk of drops.
@@ -107,10 +117,11 @@ class ExpertParallelMoELayer(nn.Module):
         hidden, ffn_hidden, num_experts, top_k: as :class:`MoELayer`;
             ``num_experts`` must be a multiple of the group's size.
         group: the expert-parallel process group (default: the world).
-        transport: ``"auto"``, ``"symm_mem"``, ``"all_to_all"`` or ``"local"``.
-        capacity: rows of each rank's receive buffer (see above), >= ep_size.
+        transport: ``"auto"``, ``"symm_mem"``, ``"padded_all_to_all"``, ``"all_to_all"`` or ``"local"``.
+        capacity: rows of each rank's receive buffer (see above), >= ep_size;
+            the same on every rank.
         max_tokens: the most tokens one forward takes on this rank (sizes
-            the buffers); default: the first forward's.
+            the buffers); default: the first forward's; the group's largest.
         router_options, shared_expert_ffn_hidden, aux_loss_coeff,
             z_loss_coeff, capacity_factor, drop_policy, bias,
             single_grouped_weight, fuse_wgrad_accumulation,
@@ -255,18 +266,37 @@ class ExpertParallelMoELayer(nn.Module):
             self.max_tokens = num_tokens
         elif num_tokens > self.max_tokens:
             raise ValueError(f"this forward has {num_tokens} tokens, more than max_tokens={self.max_tokens}")
+        self._agree_on_sizes(tokens.device)
         send_rows = self.max_tokens * self.top_k
         self.capacity = self.user_capacity or self.ep_size * send_rows
-        self.transport = make_transport(
-            self.transport_name, self.group, self.ep_size, self.num_local_experts,
-            **(
-                dict(max_send_rows=send_rows, capacity=self.capacity, hidden=self.hidden,
-                     dtype=tokens.dtype, device=tokens.device,
-                     row_backend=resolve_backend(self.backend, tokens.device))
-                if self.transport_name == "symm_mem" else {}
-            ),
-        )
+        row_backend = resolve_backend(self.backend, tokens.device)
+        options = {
+            "symm_mem": dict(max_send_rows=send_rows, capacity=self.capacity, hidden=self.hidden,
+                             dtype=tokens.dtype, device=tokens.device, row_backend=row_backend),
+            "padded_all_to_all": dict(budget=self.capacity // self.ep_size, row_backend=row_backend),
+        }.get(self.transport_name, {})
+        self.transport = make_transport(self.transport_name, self.group, self.ep_size, self.num_local_experts, **options)
         self.recv_rows = self.transport.recv_rows(self.capacity)
+
+    def _agree_on_sizes(self, device: torch.device) -> None:
+        """Every rank sizes its buffers alike: the group's largest ``max_tokens``, and one capacity.
+
+        A sender's budget per destination is its ``capacity // ep_size``, and
+        the receiver's buffer holds its own ``capacity``: with different
+        capacities a rank could receive more than it has room for.
+        """
+        if self.ep_size == 1:
+            return
+        capacity = self.user_capacity or 0
+        sizes = torch.tensor([self.max_tokens, capacity, -capacity], dtype=torch.int64, device=device)
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=self.group)
+        largest_tokens, largest_capacity, smallest_capacity = (int(v) for v in sizes.tolist())
+        if largest_capacity != -smallest_capacity:
+            raise ValueError(
+                f"capacity must be the same on every rank of the group, got values from {-smallest_capacity} "
+                f"to {largest_capacity} (0: not given)"
+            )
+        self.max_tokens = largest_tokens
 
     @property
     def budget(self) -> int:
@@ -327,14 +357,11 @@ class ExpertParallelMoELayer(nn.Module):
         row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
             experts, priority, self.num_experts, per_expert, False, backend
         )
-        send_map, in_splits, dropped = plan_sends(row_id_map, experts.reshape(-1), m_splits, self.ep_size, self.budget)
-        self.overflow_count.add_(dropped)
-        copies = num_tokens * top_k
-        send = torch.ops.moe_grouped.permute_rows(tokens, send_map, top_k, copies, True, backend)
+        send, send_map, in_splits = self.send_buffer(tokens, routing, row_id_map, m_splits, backend)
         recv, layout = DispatchFunction.apply(send, in_splits, self.transport, self.recv_rows)
         local_splits = local_expert_splits(layout, self.num_local_experts, self.ep_size)
         expert_out = self.experts(recv, local_splits, is_first_microbatch)
-        back = CombineFunction.apply(expert_out, layout, in_splits, self.transport, copies)
+        back = CombineFunction.apply(expert_out, layout, in_splits, self.transport, send.shape[0])
         out = unpermute(back, send_map, routing.weights, backend=self.backend)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
@@ -343,6 +370,20 @@ class ExpertParallelMoELayer(nn.Module):
             out = _AttachAuxLoss.apply(out, loss)
         self.last_routing = routing.detached()
         return out.view(x.shape)
+
+    def send_buffer(self, tokens, routing, row_id_map, m_splits, backend):
+        """``(send, send_map, in_splits)``: this rank's token copies laid out for the transport
+        (see :func:`plan_sends`; padded for ``padded_all_to_all``); counts the copies past the budget."""
+        padded = self.transport.padded_send
+        send_map, in_splits, dropped = plan_sends(
+            row_id_map, routing.experts.reshape(-1), m_splits, self.ep_size, self.budget, padded
+        )
+        self.overflow_count.add_(dropped)
+        top_k = routing.experts.shape[1]
+        rows = self.ep_size * self.budget if padded else tokens.shape[0] * top_k
+        # Padding rows are never read by the receiver, so they need no zeros.
+        send = torch.ops.moe_grouped.permute_rows(tokens, send_map, top_k, rows, not padded, backend)
+        return send, send_map, in_splits
 
     def backward_dw(self) -> None:
         """The local experts' deferred weight gradients (``delay_wgrad_compute=True``)."""

@@ -8,7 +8,8 @@ for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
   this rank sends, rank-major: to rank 0 for its local expert 0, then rank 0
   expert 1, ..., then rank 1 expert 0, ...; ``in_splits`` [ep * ne] int64
   (device) counts them, packed from row 0 (rows past ``in_splits.sum()`` are
-  not sent). Returns ``(recv, layout)``: ``recv`` [recv_rows, H] expert-major
+  not sent); a transport with ``padded_send`` takes ``ep * budget`` rows
+  instead, rank r's from row ``r * budget``. Returns ``(recv, layout)``: ``recv`` [recv_rows, H] expert-major
   — local expert 0's rows from rank 0, then from rank 1, ..., then expert 1's
   — so the rows of each local expert are contiguous and the grouped GEMMs
   take them as they are; rows past the received total are zero. ``layout``
@@ -20,7 +21,7 @@ for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
   capacity.
 - ``combine(y, layout, in_splits, send_rows)``: the reverse. ``y`` [R, H] in
   ``recv``'s layout; returns [send_rows, H] in ``send``'s layout (each row
-  back where it left from), rows past ``in_splits.sum()`` zero.
+  back where it left from), rows that carried nothing zero.
 
 The backward of a dispatch is a combine of the gradient and vice versa
 (:class:`DispatchFunction`, :class:`CombineFunction`).
@@ -39,6 +40,13 @@ Transports:
   the same order on every rank, dispatch and combine alternating (as the layer
   does: forward dispatch, combine; backward dispatch, combine): that order is
   what keeps a rank from overwriting a buffer that a peer still reads.
+- ``padded_all_to_all``: ``all_to_all_single`` (NCCL or gloo) of fixed size:
+  every source sends every rank a chunk of ``budget`` rows (the layer's
+  ``capacity // ep``), its real rows first, and the counts travel in a second,
+  fixed-size ``all_to_all_single``. No size is read on the host, so NCCL's
+  collectives capture in a CUDA graph. It moves ``ep * budget`` rows each way
+  however few are real: the default (worst-case) capacity moves ``ep`` times
+  the data; a capacity near the expected load moves little more than it.
 - ``all_to_all``: ``torch.distributed.all_to_all_single`` (NCCL or gloo) with
   the counts read on the host — not capturable (it raises if called during
   capture). The reference, and the CPU path.
@@ -59,7 +67,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-TRANSPORTS = ("auto", "symm_mem", "all_to_all", "local")
+TRANSPORTS = ("auto", "symm_mem", "padded_all_to_all", "all_to_all", "local")
 # torch's all_to_all_vdev_2d kernels (nvshmem_extension.cu): one warp-wide scan
 # over the ranks, one 32-thread tile per local expert in a 512-thread block;
 # the combine swaps the two roles. Seen on torch 2.11: "Number of experts must
@@ -121,6 +129,9 @@ class Transport:
 
     name = "transport"
     capturable = False
+    # True: ``dispatch`` takes ``send`` with ``ep * budget`` rows, rank r's from row r * budget
+    # (plan_sends(padded=True)), and ``combine`` returns that layout.
+    padded_send = False
 
     def __init__(self, group: Optional[dist.ProcessGroup], ep_size: int, num_local_experts: int):
         self.group, self.ep_size, self.num_local_experts = group, ep_size, num_local_experts
@@ -217,6 +228,67 @@ class AllToAllTransport(Transport):
         back = y.new_empty(sum(recv_sizes), y.shape[1])
         dist.all_to_all_single(back, out.contiguous(), recv_sizes, send_sizes, group=self.group)
         return _rows(back, send_rows, torch.tensor(back.shape[0], device=back.device))
+
+
+class PaddedAllToAllTransport(Transport):
+    """``all_to_all_single`` with every (source, destination) chunk padded to ``budget`` rows.
+
+    Fixed sizes, so nothing is read on the host and NCCL's collectives
+    capture in a CUDA graph; gloo runs it on the CPU. ``send`` comes in the
+    padded layout (``padded_send``: ``ep * budget`` rows, the rows for rank r
+    first in chunk r, as ``plan_sends(padded=True)`` places them) and the
+    combine returns it; on the receiving side the rows are gathered into the
+    packed expert-major layout and back with ``row_backend``'s
+    ``unpermute_rows``. The caller keeps every source's rows per destination
+    within ``budget`` (the layer's plan does).
+    """
+
+    name = "padded_all_to_all"
+    capturable = True
+    padded_send = True
+
+    def __init__(self, group, ep_size: int, num_local_experts: int, *, budget: int, row_backend: str = "torch"):
+        super().__init__(group, ep_size, num_local_experts)
+        if budget < 1:
+            raise ValueError(f"budget must be at least 1 row per (source, destination), got {budget}")
+        self.budget, self.row_backend = budget, row_backend
+
+    def _gather(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return torch.ops.moe_grouped.unpermute_rows(x, index, None, 1, self.row_backend)
+
+    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=self.group)
+        return out
+
+    def _source_major(self, counts: torch.Tensor) -> torch.Tensor:
+        """[ne, ep] each (expert, source) chunk's first row in the padded source-major layout."""
+        per_source = counts.t()  # [ep, ne]: source s's rows for each local expert, in the order it sent them
+        within = per_source.cumsum(1) - per_source
+        first = torch.arange(self.ep_size, device=counts.device).unsqueeze(1) * self.budget
+        return (first + within).t()
+
+    def dispatch(self, send, in_splits, recv_rows):
+        ep, budget = self.ep_size, self.budget
+        if ep * budget > recv_rows:
+            raise ValueError(f"recv_rows {recv_rows} is less than ep_size * budget = {ep * budget}")
+        if send.shape[0] != ep * budget:
+            raise ValueError(f"send must have ep_size * budget = {ep * budget} rows (padded), got {send.shape[0]}")
+        counts = self._exchange(in_splits).view(ep, self.num_local_experts).t()  # [ne, ep]
+        got = self._exchange(send.contiguous())
+        packed = _exclusive_cumsum(counts.reshape(-1))
+        index = segment_index(recv_rows, packed, counts.reshape(-1), self._source_major(counts).reshape(-1))
+        return self._gather(got, index), _layout(counts.reshape(-1))
+
+    def combine(self, y, layout, in_splits, send_rows):
+        ep, budget = self.ep_size, self.budget
+        counts = layout[0].view(self.num_local_experts, ep)
+        starts = self._source_major(counts).t().reshape(-1)  # source-major: the padded layout's order
+        lengths = counts.t().reshape(-1)
+        targets = layout[1].view(self.num_local_experts, ep).t().reshape(-1)
+        if send_rows != ep * budget:
+            raise ValueError(f"send_rows must be ep_size * budget = {ep * budget} (padded), got {send_rows}")
+        return self._exchange(self._gather(y, segment_index(ep * budget, starts, lengths, targets)))
 
 
 def expert_bins(num_local_experts: int) -> tuple[int, int]:
@@ -466,14 +538,16 @@ def resolve_transport(name: str, ep_size: int, device: torch.device) -> str:
     return "all_to_all"
 
 
-def make_transport(name: str, group, ep_size: int, num_local_experts: int, **buffers) -> Transport:
-    """A transport by its resolved name; ``buffers`` (sizes) are for ``symm_mem``."""
+def make_transport(name: str, group, ep_size: int, num_local_experts: int, **options) -> Transport:
+    """A transport by its resolved name; ``options`` are its keyword arguments (sizes, row backend)."""
     if name == "local":
         return LocalTransport(group, ep_size, num_local_experts)
     if name == "all_to_all":
         return AllToAllTransport(group, ep_size, num_local_experts)
     if name == "symm_mem":
-        return SymmMemTransport(group, ep_size, num_local_experts, **buffers)
+        return SymmMemTransport(group, ep_size, num_local_experts, **options)
+    if name == "padded_all_to_all":
+        return PaddedAllToAllTransport(group, ep_size, num_local_experts, **options)
     raise ValueError(f"no transport named {name!r}; choose from {TRANSPORTS[1:]}")
 
 
@@ -517,6 +591,7 @@ __all__ = [
     "LocalTransport",
     "AllToAllTransport",
     "SymmMemTransport",
+    "PaddedAllToAllTransport",
     "CapacityOverflowError",
     "DispatchFunction",
     "CombineFunction",

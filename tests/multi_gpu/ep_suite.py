@@ -6,8 +6,9 @@
 are visible.) Every rank runs every check in the same order; a failed check
 raises, so the process exits non-zero and torchrun reports the rank. Checks:
 
-- ``symm_mem`` (NVSHMEM) against ``all_to_all`` (NCCL, host-read counts):
-  outputs and every gradient bitwise equal, for option sets that include
+- ``symm_mem`` (NVSHMEM) and ``padded_all_to_all`` (NCCL, fixed sizes)
+  against ``all_to_all`` (NCCL, host-read counts): outputs and every
+  gradient bitwise equal, for option sets that include
   token dropping, a shared expert, fused/delayed wgrad and more than 16
   experts per rank (the transport's bins);
 - the same layer against one :class:`moe_grouped.MoELayer` holding all
@@ -19,6 +20,7 @@ raises, so the process exits non-zero and torchrun reports the rank. Checks:
 - the receive-capacity rule: copies past ``capacity // ep_size`` per source
   are dropped identically by both transports, counted on the device (in
   replays too) and reported by ``check_overflow`` on every rank.
+The replays run with ``symm_mem`` and with ``padded_all_to_all``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer  
 from moe_grouped.parallel.layer import plan_sends  # noqa: E402
 
 DTYPE = torch.bfloat16
+TRANSPORTS = ("all_to_all", "symm_mem", "padded_all_to_all")  # the first is the reference
 HIDDEN, FFN, TOP_K, TOKENS = 128, 128, 2, 256
 
 
@@ -67,7 +70,7 @@ def make_pair(experts: int, options: dict, **ep_options):
     layers = {
         name: ExpertParallelMoELayer(HIDDEN, FFN, experts, TOP_K, transport=name, max_tokens=TOKENS, **common,
                                      **ep_options).load_from(ref)
-        for name in ("symm_mem", "all_to_all")
+        for name in TRANSPORTS
     }
     return ref, layers
 
@@ -115,11 +118,13 @@ def check_transports_and_reference(experts: int, options: dict) -> None:
     for name, layer in layers.items():
         for _ in range(2):  # the second step runs on the buffers the first one set up
             results[name] = run(layer, xs[rank], douts[rank])
-    (out_s, dx_s, g_s), (out_a, dx_a, g_a) = results["symm_mem"], results["all_to_all"]
-    assert torch.equal(out_s, out_a), f"{case}: output differs between symm_mem and all_to_all"
-    assert torch.equal(dx_s, dx_a), f"{case}: x.grad differs between symm_mem and all_to_all"
-    for name in g_s:
-        assert torch.equal(g_s[name], g_a[name]), f"{case}: {name} gradient differs between transports"
+    out_a, dx_a, g_a = results["all_to_all"]
+    for transport in TRANSPORTS[1:]:
+        out_s, dx_s, g_s = results[transport]
+        assert torch.equal(out_s, out_a), f"{case}: output differs between {transport} and all_to_all"
+        assert torch.equal(dx_s, dx_a), f"{case}: x.grad differs between {transport} and all_to_all"
+        for name in g_s:
+            assert torch.equal(g_s[name], g_a[name]), f"{case}: {name} gradient differs, {transport}"
     # One layer holding all experts, run on every rank's tokens (gradients summed over them).
     ref_grads = None
     for r in range(world):
@@ -139,7 +144,7 @@ def check_transports_and_reference(experts: int, options: dict) -> None:
             dist.all_reduce(grad)
         diff = calc_diff(grad, want)
         assert diff < 1e-5, f"{case}: {name} gradient vs MoELayer: calc_diff {diff}"
-    say(f"  ok  transports bitwise equal, == MoELayer  ({case})")
+    say(f"  ok  {', '.join(TRANSPORTS[1:])} bitwise equal to all_to_all, == MoELayer  ({case})")
 
 
 # ------------------------------------------------------------------ graphs with new routing
@@ -167,11 +172,11 @@ def routed_input(pattern: str, experts: int, world: int, gen: torch.Generator, s
 PATTERNS = ("balanced", "skewed", "one_rank", "zero_token")
 
 
-def check_replays(experts: int, replays: int, options: dict) -> None:
+def check_replays(experts: int, replays: int, options: dict, transport: str = "symm_mem") -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     layer = ExpertParallelMoELayer(
-        HIDDEN, FFN, experts, TOP_K, transport="symm_mem", max_tokens=TOKENS, dtype=DTYPE, device="cuda",
+        HIDDEN, FFN, experts, TOP_K, transport=transport, max_tokens=TOKENS, dtype=DTYPE, device="cuda",
         backend=backend(), **options,
     )
     steer_router(layer, experts)
@@ -192,7 +197,7 @@ def check_replays(experts: int, replays: int, options: dict) -> None:
         for i, (a, b) in enumerate(zip(got, want)):
             if not torch.equal(a, b):
                 raise AssertionError(
-                    f"E={experts} {options} replay {replay} ({pattern}), rank {rank}: output {i} differs from "
+                    f"{transport} E={experts} {options} replay {replay} ({pattern}), rank {rank}: output {i} differs from "
                     f"eager (calc_diff {calc_diff(a.float(), b.float())})"
                 )
         per_expert = got[1]
@@ -209,7 +214,7 @@ def check_replays(experts: int, replays: int, options: dict) -> None:
     elapsed = time.perf_counter() - start
     for pattern, routings in seen.items():
         assert len(routings) > 1 or replays < 2 * len(PATTERNS), f"{pattern}: the routing never changed"
-    say(f"  ok  {replays} replays bitwise equal to eager, 4 routing patterns, E={experts} {options} "
+    say(f"  ok  {transport}: {replays} replays bitwise equal to eager, 4 routing patterns, E={experts} {options} "
         f"({elapsed:.1f} s; graph: {counts})")
 
 
@@ -224,7 +229,8 @@ def check_overflow(experts: int) -> None:
         with torch.no_grad():
             results[name] = layer(xs[rank])
         routing = layer.last_routing
-    assert torch.equal(results["symm_mem"], results["all_to_all"]), "the transports dropped differently"
+    for name in TRANSPORTS[1:]:
+        assert torch.equal(results[name], results["all_to_all"]), f"{name} dropped differently from all_to_all"
     assert torch.isfinite(results["symm_mem"]).all()
     flat = routing.experts.reshape(-1)
     row_id_map, m_splits = torch.ops.moe_grouped.permute_index(routing.experts, None, experts, -1, False, "torch")
@@ -239,25 +245,22 @@ def check_overflow(experts: int) -> None:
             assert str(error).startswith(f"{int(total)} token copies did not fit"), str(error)
         else:
             raise AssertionError(f"{name}: check_overflow did not raise after {int(total)} dropped copies")
-    layer = layers["symm_mem"]
-    layer.check_overflow()  # reset by the raise above: nothing since
-
-    def forward(x):
-        return layer(x)
-
-    captured = graphs.capture_step(forward, xs[rank].clone(), num_warmup_iters=1)
-    layer.overflow_count.zero_()
-    for _ in range(3):
-        out = captured(xs[rank])
-    torch.cuda.synchronize()
-    assert int(layer.overflow_count) == 3 * int(dropped), (int(layer.overflow_count), int(dropped))
-    assert torch.equal(out, results["symm_mem"]), "replay differs from eager under drops"
-    try:
-        layer.check_overflow()
-    except CapacityOverflowError as error:
-        assert str(error).startswith(f"{3 * int(total)} token copies"), str(error)
-    else:
-        raise AssertionError("check_overflow did not raise after the replays' drops")
+    for name in TRANSPORTS[1:]:
+        layer = layers[name]
+        layer.check_overflow()  # reset by the raise above: nothing since
+        captured = graphs.capture_step(layer, xs[rank].clone(), num_warmup_iters=1)
+        layer.overflow_count.zero_()
+        for _ in range(3):
+            out = captured(xs[rank])
+        torch.cuda.synchronize()
+        assert int(layer.overflow_count) == 3 * int(dropped), (name, int(layer.overflow_count), int(dropped))
+        assert torch.equal(out, results[name]), f"{name}: replay differs from eager under drops"
+        try:
+            layer.check_overflow()
+        except CapacityOverflowError as error:
+            assert str(error).startswith(f"{3 * int(total)} token copies"), str(error)
+        else:
+            raise AssertionError(f"{name}: check_overflow did not raise after the replays' drops")
     say(f"  ok  capacity {budget * world} (budget {budget} a source): {int(total)} copies dropped alike by both "
         "transports, counted in replays, reported on every rank")
 
@@ -287,6 +290,9 @@ def main() -> None:
     for experts in (4 * world, 20 * world):
         check_replays(experts, args.replays, dict(single_grouped_weight=True))
     check_replays(4 * world, max(args.replays // 10, 8), dict(capacity_factor=1.0))
+    # The fixed-size NCCL transport, captured: at the default capacity and at a smaller one (3 T k).
+    check_replays(20 * world, args.replays, dict(single_grouped_weight=True), "padded_all_to_all")
+    check_replays(4 * world, max(args.replays // 10, 8), dict(capacity=3 * TOKENS * TOP_K), "padded_all_to_all")
     check_overflow(4 * world)
     say(f"all expert-parallel checks passed on {world} GPUs in {time.perf_counter() - start:.0f} s")
     dist.barrier()
