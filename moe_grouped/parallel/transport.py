@@ -9,7 +9,8 @@ for ``ep`` ranks holding ``ne`` experts each (rank r owns global experts
   expert 1, ..., then rank 1 expert 0, ...; ``in_splits`` [ep * ne] int64
   (device) counts them, packed from row 0 (rows past ``in_splits.sum()`` are
   not sent); a transport with ``padded_send`` takes ``ep * budget`` rows
-  instead, rank r's from row ``r * budget``. Returns ``(recv, layout)``: ``recv`` [recv_rows, H] expert-major
+  instead, rank r's from row ``r * budget``. Returns ``(recv, layout)``:
+  ``recv`` [recv_rows, H] expert-major
   — local expert 0's rows from rank 0, then from rank 1, ..., then expert 1's
   — so the rows of each local expert are contiguous and the grouped GEMMs
   take them as they are; rows past the received total are zero. ``layout``
@@ -282,12 +283,12 @@ class PaddedAllToAllTransport(Transport):
 
     def combine(self, y, layout, in_splits, send_rows):
         ep, budget = self.ep_size, self.budget
+        if send_rows != ep * budget:
+            raise ValueError(f"send_rows must be ep_size * budget = {ep * budget} (padded), got {send_rows}")
         counts = layout[0].view(self.num_local_experts, ep)
         starts = self._source_major(counts).t().reshape(-1)  # source-major: the padded layout's order
         lengths = counts.t().reshape(-1)
         targets = layout[1].view(self.num_local_experts, ep).t().reshape(-1)
-        if send_rows != ep * budget:
-            raise ValueError(f"send_rows must be ep_size * budget = {ep * budget} (padded), got {send_rows}")
         return self._exchange(self._gather(y, segment_index(ep * budget, starts, lengths, targets)))
 
 
