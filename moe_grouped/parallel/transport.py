@@ -107,6 +107,21 @@ def _layout(splits_expert_major: torch.Tensor) -> torch.Tensor:
     return torch.stack([splits_expert_major, _exclusive_cumsum(splits_expert_major)])
 
 
+def _all_to_all_equal(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` cut into ``ep`` equal chunks, chunk r sent to rank r; the chunks received, by source.
+
+    Fixed sizes, so NCCL captures it in a CUDA graph.
+    """
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor, backend: str) -> torch.Tensor:
+    """Row ``index[i]`` of ``x`` for every i, zeros where it is -1: one pass of ``backend``'s kernel."""
+    return torch.ops.moe_grouped.unpermute_rows(x, index, None, 1, backend)
+
+
 def local_expert_splits(layout: torch.Tensor, num_local_experts: int, ep_size: int) -> torch.Tensor:
     """[ne] rows of each local expert in a dispatch's output: from its first chunk to the next expert's.
 
@@ -140,6 +155,10 @@ class Transport:
     def recv_rows(self, capacity: int) -> int:
         """Rows of a dispatch's output for a receive capacity of ``capacity`` token copies."""
         return capacity
+
+    def _exchange_counts(self, in_splits: torch.Tensor) -> torch.Tensor:
+        """[ep (source), ne] counts this rank receives, from each rank's in_splits (a collective)."""
+        return _all_to_all_equal(in_splits, self.group).view(self.ep_size, self.num_local_experts)
 
     def dispatch(self, send: torch.Tensor, in_splits: torch.Tensor, recv_rows: int):
         raise NotImplementedError
@@ -186,12 +205,6 @@ class AllToAllTransport(Transport):
                 "the all_to_all transport reads the token counts on the host and cannot run during "
                 "CUDA graph capture; use transport='symm_mem' (or 'local' for one rank)"
             )
-
-    def _exchange_counts(self, in_splits: torch.Tensor) -> torch.Tensor:
-        """[ep (source), ne] counts this rank receives, from each rank's in_splits."""
-        received = torch.empty_like(in_splits)
-        dist.all_to_all_single(received, in_splits.contiguous(), group=self.group)
-        return received.view(self.ep_size, self.num_local_experts)
 
     def dispatch(self, send, in_splits, recv_rows):
         self._refuse_capture(send)
@@ -254,14 +267,6 @@ class PaddedAllToAllTransport(Transport):
             raise ValueError(f"budget must be at least 1 row per (source, destination), got {budget}")
         self.budget, self.row_backend = budget, row_backend
 
-    def _gather(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return torch.ops.moe_grouped.unpermute_rows(x, index, None, 1, self.row_backend)
-
-    def _exchange(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=self.group)
-        return out
-
     def _source_major(self, counts: torch.Tensor) -> torch.Tensor:
         """[ne, ep] each (expert, source) chunk's first row in the padded source-major layout."""
         per_source = counts.t()  # [ep, ne]: source s's rows for each local expert, in the order it sent them
@@ -275,11 +280,11 @@ class PaddedAllToAllTransport(Transport):
             raise ValueError(f"recv_rows {recv_rows} is less than ep_size * budget = {ep * budget}")
         if send.shape[0] != ep * budget:
             raise ValueError(f"send must have ep_size * budget = {ep * budget} rows (padded), got {send.shape[0]}")
-        counts = self._exchange(in_splits).view(ep, self.num_local_experts).t()  # [ne, ep]
-        got = self._exchange(send.contiguous())
+        counts = self._exchange_counts(in_splits).t()  # [ne, ep]
+        got = _all_to_all_equal(send, self.group)
         packed = _exclusive_cumsum(counts.reshape(-1))
         index = segment_index(recv_rows, packed, counts.reshape(-1), self._source_major(counts).reshape(-1))
-        return self._gather(got, index), _layout(counts.reshape(-1))
+        return _gather_rows(got, index, self.row_backend), _layout(counts.reshape(-1))
 
     def combine(self, y, layout, in_splits, send_rows):
         ep, budget = self.ep_size, self.budget
@@ -289,7 +294,8 @@ class PaddedAllToAllTransport(Transport):
         starts = self._source_major(counts).t().reshape(-1)  # source-major: the padded layout's order
         lengths = counts.t().reshape(-1)
         targets = layout[1].view(self.num_local_experts, ep).t().reshape(-1)
-        return self._exchange(self._gather(y, segment_index(ep * budget, starts, lengths, targets)))
+        padded = _gather_rows(y, segment_index(ep * budget, starts, lengths, targets), self.row_backend)
+        return _all_to_all_equal(padded, self.group)
 
 
 def expert_bins(num_local_experts: int) -> tuple[int, int]:
@@ -436,7 +442,7 @@ class SymmMemTransport(Transport):
             raise RuntimeError("the symm_mem transport needs NVSHMEM, which this torch cannot load")
         if symm_mem.get_backend(device) != "NVSHMEM":
             symm_mem.set_backend("NVSHMEM")
-        self.group_name, self.device, self.row_backend = group.group_name, device, row_backend
+        self.group_name, self.row_backend = group.group_name, row_backend
         self.bins, self.per_bin = expert_bins(num_local_experts)
         self.buffer_order = buffer_order(num_local_experts, ep_size, self.bins, self.per_bin).to(device)
 
@@ -502,7 +508,7 @@ class SymmMemTransport(Transport):
         )
         counts = self._received_counts(in_splits)
         gather = receive_index(counts, self.bins, self.per_bin, recv_rows)
-        recv = torch.ops.moe_grouped.unpermute_rows(self.expert_buffer, gather, None, 1, self.row_backend)
+        recv = _gather_rows(self.expert_buffer, gather, self.row_backend)
         return recv, _layout(counts.reshape(-1))
 
     def combine(self, y, layout, in_splits, send_rows):

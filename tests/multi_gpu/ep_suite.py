@@ -219,6 +219,16 @@ def check_replays(experts: int, replays: int, options: dict, transport: str = "s
 
 
 # ------------------------------------------------------------------ capacity and overflow
+def expect_overflow(layer, dropped: int, what: str) -> None:
+    """``check_overflow`` raises, reporting ``dropped`` copies over the whole group."""
+    try:
+        layer.check_overflow()
+    except CapacityOverflowError as error:
+        assert str(error).startswith(f"{dropped} token copies did not fit"), f"{what}: {error}"
+    else:
+        raise AssertionError(f"{what}: check_overflow did not raise after {dropped} dropped copies")
+
+
 def check_overflow(experts: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     budget = 16
@@ -239,12 +249,7 @@ def check_overflow(experts: int) -> None:
     dist.all_reduce(total)
     assert int(total) > 0, "the check needs copies past the budget"
     for name, layer in layers.items():
-        try:
-            layer.check_overflow()
-        except CapacityOverflowError as error:
-            assert str(error).startswith(f"{int(total)} token copies did not fit"), str(error)
-        else:
-            raise AssertionError(f"{name}: check_overflow did not raise after {int(total)} dropped copies")
+        expect_overflow(layer, int(total), f"{name}, eager")
     for name in TRANSPORTS[1:]:
         layer = layers[name]
         layer.check_overflow()  # reset by the raise above: nothing since
@@ -255,14 +260,9 @@ def check_overflow(experts: int) -> None:
         torch.cuda.synchronize()
         assert int(layer.overflow_count) == 3 * int(dropped), (name, int(layer.overflow_count), int(dropped))
         assert torch.equal(out, results[name]), f"{name}: replay differs from eager under drops"
-        try:
-            layer.check_overflow()
-        except CapacityOverflowError as error:
-            assert str(error).startswith(f"{3 * int(total)} token copies"), str(error)
-        else:
-            raise AssertionError(f"{name}: check_overflow did not raise after the replays' drops")
-    say(f"  ok  capacity {budget * world} (budget {budget} a source): {int(total)} copies dropped alike by both "
-        "transports, counted in replays, reported on every rank")
+        expect_overflow(layer, 3 * int(total), f"{name}, 3 replays")
+    say(f"  ok  capacity {budget * world} (budget {budget} a source): {int(total)} copies dropped alike by every "
+        "transport, counted in replays, reported on every rank")
 
 
 def main() -> None:
