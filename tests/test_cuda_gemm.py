@@ -144,6 +144,46 @@ def test_wgrad(dtype, layout, shape, pattern):
             assert torch.equal(got[e], before[e]), f"{case}: empty expert {e} was modified"
 
 
+# fprop and dgrad run on the 128x256 tile without a cluster (the heuristic's
+# choice for 16-bit outputs) or with a 2x1 cluster (fp32 outputs, wgrad, and
+# the fallback); MOE_GROUPED_GEMM_TILE forces either.
+TILE_ENV = "MOE_GROUPED_GEMM_TILE"
+TILE_CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_tile_configurations_match_reference_and_each_other_bitwise(dtype, shape, pattern, monkeypatch):
+    """Both configurations walk the same tiles in the same K order: bitwise equal results."""
+    splits, x, weights = _problem(shape, dtype, pattern, "grouped")
+    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    bias = torch.randn(shape[0], shape[3]).to(dtype).cuda()
+    dy = torch.randn(shape[1], shape[3]).to(dtype).cuda()
+    results = {}
+    for config in TILE_CONFIGS:
+        monkeypatch.setenv(TILE_ENV, config)
+        y = cuda_backend.fprop(x, weights, m_splits, None, dtype)
+        yb = cuda_backend.fprop(x, weights, m_splits, bias, dtype)
+        dx = cuda_backend.dgrad(dy, weights, m_splits, dtype)
+        case = f"{config} {dtype=} {shape=} {pattern=}"
+        _check(y, oracle_fprop(x, weights, splits, None), dtype, f"fprop {case}")
+        _check(yb, oracle_fprop(x, weights, splits, bias), dtype, f"fprop+bias {case}")
+        _check(dx, oracle_dgrad(dy, weights, splits), dtype, f"dgrad {case}")
+        results[config] = (y, yb, dx)
+    first, second = (results[c] for c in TILE_CONFIGS)
+    for name, a, b in zip(("fprop", "fprop+bias", "dgrad"), first, second):
+        assert torch.equal(a, b), f"{name} {dtype=} {shape=} {pattern=}: configurations differ"
+
+
+def test_unknown_tile_configuration_is_refused(monkeypatch):
+    monkeypatch.setenv(TILE_ENV, "coop_1x1x1_c9x9")
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_TILE=coop_1x1x1_c9x9 names no tile configuration"):
+        cuda_backend.fprop(x, [w], torch.tensor([8], dtype=torch.int32, device="cuda"), None, torch.bfloat16)
+
+
 def _experts(out):
     return list(out[0].unbind(0)) if len(out) == 1 and out[0].dim() == 3 else list(out)
 

@@ -7,6 +7,7 @@ namespace moe_grouped::gemm {
 const char* tile_config_name(TileConfig config) {
   switch (config) {
     case TileConfig::kCoop128x256: return "coop_128x256x64_c2x1";
+    case TileConfig::kCoop128x256NoCluster: return "coop_128x256x64_c1x1";
     case TileConfig::kCount: break;
   }
   return "unknown";
@@ -32,11 +33,28 @@ bool parse_tile_config(const char* name, TileConfig* out) {
 // for skewed splits, whose partial last tile per expert the smaller tiles
 // were meant to shrink), and for wgrad into an fp32 main_grad on all but one
 // shape (E=32, K=7168, N=2048, where ping-pong 128x128 was 3-11% faster),
-// so it is the only configuration built. New configurations go into this
-// function with the measurement that justifies them.
+// so it was the only configuration built.
+//
+// fprop and dgrad then moved to the same tile without a cluster. CUTLASS's
+// grouped scheduler rounds each group's tile count up to the cluster shape,
+// so with the 2x1 cluster a group whose rows fill an odd number of 128-row
+// tiles runs one more, empty, tile (the same with 1x2 and an odd number of
+// 256-column tiles). Routed token counts are rarely multiples of 128. On the
+// five issue-19 shapes with top-k routing (H100, 2026-11-25; a development
+// build with four configurations, graphed, interleaved) no cluster was
+// 1.00-1.11x as fast as 2x1 for every fprop and dgrad, and 0.95-1.04x with
+// every expert's count a multiple of 256. A 1x2 cluster matched it where the
+// 256-column tiles come in even numbers and lost where they do not
+// (N = 768, 2816: 7-28%); a 256x128 tile with a 1x2 cluster was 0.94-1.06x of 2x1.
+// benchmarks/experts_gemm_tiles.py times the two built configurations
+// (results/experts_gemm_tiles-h100.json). wgrad's groups have fixed shapes
+// (n x k), so the rounding costs nothing there and the 2x1 cluster stays
+// (256x128 with 1x2 was 0.94-1.06x of it).
+// New configurations go into this function with the measurement that
+// justifies them.
 TileConfig choose_tile_config(const GemmShape& shape) {
-  (void)shape;
-  return TileConfig::kCoop128x256;
+  if (shape.kind == MG_GEMM_WGRAD) return TileConfig::kCoop128x256;
+  return TileConfig::kCoop128x256NoCluster;
 }
 
 }  // namespace moe_grouped::gemm

@@ -13,11 +13,14 @@ namespace moe_grouped::gemm {
 // The configurations compiled into the core. Not every configuration exists
 // for every (kind, dtype, output dtype): the kernel table in
 // grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
-// for all of them. Ping-pong 128x128, ping-pong 64x256 and cooperative
-// 128x128 were built, measured and dropped (see heuristic.cpp).
+// for all of them; a configuration that is not built for a call falls back
+// to it. Ping-pong 128x128, ping-pong 64x256, cooperative 128x128,
+// cooperative 128x256 with a 1x2 cluster and cooperative 256x128 with a 1x2
+// cluster were built, measured and dropped (see heuristic.cpp).
 enum class TileConfig : int {
-  kCoop128x256 = 0,  // cooperative, 128x256x64 tile, 2x1 cluster
-  kCount = 1
+  kCoop128x256 = 0,       // cooperative, 128x256x64 tile, 2x1 cluster
+  kCoop128x256NoCluster,  // cooperative, 128x256x64 tile, 1x1 cluster (16-bit fprop and dgrad)
+  kCount
 };
 
 const char* tile_config_name(TileConfig config);

@@ -10,8 +10,9 @@ constexpr auto kIn = MG_BFLOAT16;
 
 using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
 using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
+using NoCluster = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256NoCluster>;
 
-const KernelEntry kEntries[] = {entry<Coop>(), entry<CoopF32>()};
+const KernelEntry kEntries[] = {entry<Coop>(), entry<CoopF32>(), entry<NoCluster>()};
 }  // namespace
 
 KernelList sm90_dgrad_bf16_kernels() {

@@ -68,6 +68,13 @@ struct TileTraits<TileConfig::kCoop128x256> {
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
+template <>
+struct TileTraits<TileConfig::kCoop128x256NoCluster> {
+  using Tile = cute::Shape<_128, _256, _64>;
+  using Cluster = cute::Shape<_1, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>

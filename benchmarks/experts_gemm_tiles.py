@@ -1,0 +1,245 @@
+"""The core's grouped GEMM tile configurations on the MoE experts' six GEMMs.
+
+For each issue-19 shape (benchmarks/gathered_gemm.py's SHAPES: T, H, ffn I,
+E experts, top-k) and each of the experts' GEMMs on permuted rows (R = T * k):
+
+  fc1_fprop  g = xp . W1^T      (N = 2I, K = H)    fc1_dgrad  dxp = dg . W1  (N = H,  K = 2I)
+  fc2_fprop  y = h . W2^T       (N = H,  K = I)    fc2_dgrad  dh = dy . W2   (N = I,  K = H)
+  fc1_wgrad  dW1 = dg^T . xp    per expert          fc2_wgrad  dW2 = dy^T . h  per expert
+
+with two splits: ``topk_random`` (each token's top-k of uniform random
+scores, what a router gives: counts near R / E but rarely a multiple of the
+tile) and ``balanced`` (every expert R / E rows, a multiple of 256 here).
+
+Backends, every one captured in a CUDA graph and replayed (GPU time only),
+all in one process, timed in interleaved rounds (median of the runs, 256 MB
+L2 flush before each):
+  cuda:<config>  the core forced to one tile configuration (MOE_GROUPED_GEMM_TILE)
+  cuda           the core's own choice (csrc/gemm/heuristic.cpp)
+  torch          torch._grouped_mm
+  loop           one matmul per expert over host-known bounds
+  dense          one matmul of the same FLOPs ([R, K] x [K, N]): the ceiling
+Every configuration must give bitwise the same result (same tile, same order
+of the K loop; only the cluster differs), which the script checks.
+
+op ``layer_fwd_bwd``: one training step of the fused MoELayer (as in
+benchmarks/moe_layer.py: top-k-then-softmax router, new inputs every step)
+with every GEMM forced to each configuration (``cuda:<config>``; wgrad has
+only the first, so it is the same in both) and with the core's choice
+(``cuda``), eager and captured (``_graphed``), interleaved in one process.
+
+    python benchmarks/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import L2Flush, graphed, print_table, write_results  # noqa: E402
+from gathered_gemm import SHAPES  # noqa: E402
+from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
+
+CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
+OPS = ("fc1_fprop", "fc2_fprop", "fc2_dgrad", "fc1_dgrad", "fc2_wgrad", "fc1_wgrad")
+SPLITS = ("topk_random", "balanced")
+
+
+class Experts:
+    """Operands of one shape's six GEMMs for one split of the R rows."""
+
+    def __init__(self, shape, splits_kind: str):
+        from moe_grouped.ops import cuda_backend
+
+        self.cuda = cuda_backend
+        t, h, i, e, k = shape
+        self.rows = rows = t * k
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        if splits_kind == "balanced":
+            self.m_splits = torch.full((e,), rows // e, dtype=torch.int32, device="cuda")
+        else:
+            experts = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices
+            self.m_splits = torch.bincount(experts.flatten(), minlength=e).to(torch.int32)
+        self.offs = torch.cumsum(self.m_splits, 0, dtype=torch.int32)
+        ends = self.offs.tolist()
+        self.bounds = [(g, s, u) for g, (s, u) in enumerate(zip([0] + ends[:-1], ends)) if u > s]
+        rand = lambda *size: torch.randn(*size, device="cuda", generator=gen).bfloat16()  # noqa: E731
+        self.xp, self.dy, self.h, self.dg = rand(rows, h), rand(rows, h), rand(rows, i), rand(rows, 2 * i)
+        self.w1, self.w2 = rand(e, 2 * i, h) / math.sqrt(h), rand(e, h, i) / math.sqrt(i)
+        self.dw1 = torch.empty(e, 2 * i, h, device="cuda", dtype=torch.bfloat16)
+        self.dw2 = torch.empty(e, h, i, device="cuda", dtype=torch.bfloat16)
+        # (N, K) of each op's GEMM, for FLOPs and the dense stand-in
+        self.nk = {"fc1_fprop": (2 * i, h), "fc2_fprop": (h, i), "fc2_dgrad": (i, h),
+                   "fc1_dgrad": (h, 2 * i), "fc2_wgrad": (h, i), "fc1_wgrad": (2 * i, h)}
+
+    def flops(self, op: str) -> float:
+        n, k = self.nk[op]
+        return 2.0 * self.rows * n * k
+
+    def core(self, op):
+        """The core's op on this split; returns its output tensor."""
+        c, s, bf16 = self.cuda, self.m_splits, torch.bfloat16
+        return {
+            "fc1_fprop": lambda: c.fprop(self.xp, [self.w1], s, None, bf16),
+            "fc2_fprop": lambda: c.fprop(self.h, [self.w2], s, None, bf16),
+            "fc2_dgrad": lambda: c.dgrad(self.dy, [self.w2], s, bf16),
+            "fc1_dgrad": lambda: c.dgrad(self.dg, [self.w1], s, bf16),
+            "fc2_wgrad": lambda: (c.wgrad(self.dy, self.h, s, [self.dw2], False), self.dw2)[1],
+            "fc1_wgrad": lambda: (c.wgrad(self.dg, self.xp, s, [self.dw1], False), self.dw1)[1],
+        }[op]
+
+    def reference(self, op, backend: str):
+        gm, offs = torch._grouped_mm, self.offs
+        if backend == "dense":
+            n, k = self.nk[op]
+            a, b = torch.randn(self.rows, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
+            return lambda: a @ b
+        a, b = {"fc1_fprop": (self.xp, self.w1.transpose(-2, -1)), "fc2_fprop": (self.h, self.w2.transpose(-2, -1)),
+                "fc2_dgrad": (self.dy, self.w2), "fc1_dgrad": (self.dg, self.w1),
+                "fc2_wgrad": (self.dy, self.h), "fc1_wgrad": (self.dg, self.xp)}[op]
+        if op.endswith("wgrad"):
+            if backend == "torch":
+                return lambda: gm(a.t(), b, offs=offs)
+            return lambda: [a[s:u].t() @ b[s:u] for _, s, u in self.bounds]
+        if backend == "torch":
+            return lambda: gm(a, b, offs=offs)
+        return lambda: [a[s:u] @ b[g] for g, s, u in self.bounds]
+
+
+def forced(config: str, fn):
+    """``fn`` run (and captured) with the core forced to ``config``."""
+    def run():
+        os.environ[TILE_ENV] = config
+        try:
+            return fn()
+        finally:
+            os.environ.pop(TILE_ENV)
+    return run
+
+
+def replays(problem: Experts, op: str) -> dict:
+    """Backend name -> graph replay of op. Checks the forced configurations agree bitwise."""
+    core = problem.core(op)
+    first = None
+    for config in CONFIGS:
+        out = forced(config, core)().clone()
+        if first is None:
+            first = out
+        elif not torch.equal(out, first):
+            raise AssertionError(f"{op}: {config} differs from {CONFIGS[0]}")
+    runs = {f"cuda:{config}": graphed(forced(config, core)) for config in CONFIGS}
+    runs["cuda"] = graphed(core)
+    for backend in ("torch", "loop", "dense"):
+        runs[backend] = graphed(problem.reference(op, backend))
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
+    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
+    parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
+    args = parser.parse_args()
+    names = args.shapes.split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known {list(SHAPES)}")
+    flush = L2Flush()
+    warm_up_clocks()
+    rows = []
+    for name in names:
+        for splits_kind in SPLITS:
+            problem = Experts(SHAPES[name], splits_kind)
+            for op in OPS:
+                runs = replays(problem, op)
+                times = timed_rounds(runs, args.rounds, flush, per_round=3)
+                for backend, ts in times.items():
+                    ms = statistics.median(ts)
+                    rows.append({"bench": "experts_gemm_tiles", "op": op, "shape": name, "splits": splits_kind,
+                                 "backend": backend, "ms": round(ms, 5),
+                                 "tflops": round(problem.flops(op) / ms / 1e9, 2)})
+                print(f"{name} {splits_kind} {op}: " + "  ".join(
+                    f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]), flush=True)
+                del runs
+            del problem
+            torch.cuda.empty_cache()
+    if not args.no_layer:
+        rows += layer_rows(names, args.rounds, flush)
+    print_table(rows, "tflops")
+    summarize(rows)
+    print(f"wrote {write_results('experts_gemm_tiles', rows)}")
+
+
+def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:
+    """Backend -> CUDA-event milliseconds of each run; backends alternate order every round."""
+    times = {backend: [] for backend in runs}
+    for r in range(rounds):
+        for backend in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            for _ in range(per_round):
+                flush()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                runs[backend]()
+                end.record()
+                end.synchronize()
+                times[backend].append(start.elapsed_time(end))
+    return times
+
+
+def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
+    import moe_layer
+
+    rows = []
+    for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
+        inputs = moe_layer.make_inputs(shape)
+        runs = {}
+        for config in (*CONFIGS, None):
+            label = "cuda" if config is None else f"cuda:{config}"
+            steps = moe_layer.Steps(moe_layer.make_layer(shape, "cuda_fused"), inputs)
+            eager = forced(config, steps.eager) if config else steps.eager
+            eager()
+            capture = forced(config, steps.capture) if config else steps.capture
+            _, runs[f"{label}_graphed"] = capture()
+            runs[label] = eager
+        for backend, ts in timed_rounds(runs, rounds, flush, per_round=2).items():
+            ms = statistics.median(ts)
+            rows.append({"bench": "experts_gemm_tiles", "op": "layer_fwd_bwd", "shape": shape.name,
+                         "splits": "router", "backend": backend, "ms": round(ms, 5),
+                         "tflops": round(shape.flops() / ms / 1e9, 2)})
+        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(runs):]),
+              flush=True)
+        del runs
+        moe_layer.free_memory()
+    return rows
+
+
+def summarize(rows) -> None:
+    """Speed of each configuration relative to the first, per split: min, geometric mean, max over ops."""
+    base = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == f"cuda:{CONFIGS[0]}"}
+    layer = {(r["shape"], r["backend"]): r["ms"] for r in rows if r["op"] == "layer_fwd_bwd"}
+    for shape in dict.fromkeys(s for s, _ in layer):
+        for mode in ("", "_graphed"):
+            old, new = layer[(shape, f"cuda:{CONFIGS[0]}{mode}")], layer[(shape, f"cuda{mode}")]
+            print(f"layer {shape:<16} {mode[1:] or 'eager':<8} {CONFIGS[0]} {old:8.3f} ms  "
+                  f"core's choice {new:8.3f} ms  {old / new:.3f}x")
+    for config in CONFIGS[1:]:
+        for splits_kind in SPLITS:
+            for kinds in (("fprop", "dgrad"), ("wgrad",)):
+                ratios = [base[(r["op"], r["shape"], r["splits"])] / r["ms"] for r in rows
+                          if r["backend"] == f"cuda:{config}" and r["splits"] == splits_kind
+                          and r["op"].endswith(kinds)]
+                if ratios:
+                    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+                    print(f"{config} vs {CONFIGS[0]}, {splits_kind}, {'/'.join(kinds)}: "
+                          f"min {min(ratios):.3f}  geomean {geomean:.3f}  max {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()
