@@ -16,7 +16,6 @@ backend on CPU and the ``cuda`` backend (sm_90) on the GPU.
 from __future__ import annotations
 
 import re
-import socket
 from typing import Callable, Sequence
 
 import pytest
@@ -508,10 +507,7 @@ def one_rank_group():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield dist.group.WORLD
     finally:

@@ -15,29 +15,21 @@ it here.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from moe_grouped import GroupedLinear, MoELayer
+from process_groups import spawn_group
 
 WORLD = 2
 TOKENS_PER_RANK = 12
 E, HIDDEN, FFN, TOP_K = 4, 16, 32, 2
 DEADLINE_S = 600  # generous: CI machines may be loaded; a hang still fails
 MODELS = ("linear-grouped", "linear-separate", "moe-grouped", "moe-separate")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _build(model: str, fuse: bool = False) -> torch.nn.Module:
@@ -98,9 +90,9 @@ def _single_process_grads(model: str) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
-def _worker(rank: int, port: int, wrapper: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=DEADLINE_S // 2))
+def _worker(rank: int, init_method: str, wrapper: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=DEADLINE_S // 2))
     try:
         rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
         results = {}
@@ -147,16 +139,7 @@ def _worker(rank: int, port: int, wrapper: str, out_dir: str) -> None:
 
 def _run_two_processes(wrapper: str) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
-        context = mp.start_processes(
-            _worker, args=(_free_port(), wrapper, out_dir), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + DEADLINE_S
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.terminate()
-                pytest.fail(f"{wrapper}: the two processes did not finish within {DEADLINE_S} s (hang?)")
+        spawn_group(_worker, WORLD, (wrapper, out_dir), timeout_s=DEADLINE_S)
         return torch.load(os.path.join(out_dir, "grads.pt"))
 
 

@@ -1,13 +1,10 @@
 """ExpertParallelMoELayer: several gloo processes against one MoELayer holding all experts;
 the receive budget and its overflow counter; refused options; ep_size 1 capture on the GPU."""
 
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import moe_grouped
 from moe_grouped import MoELayer
@@ -24,14 +21,9 @@ from moe_grouped.parallel.transport import (
 )
 
 from cases import assert_captured_safely, calc_diff, layer_train_step, reset_grads
+from process_groups import spawn_group
 
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 16, 12, 8, 2, 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -333,8 +325,8 @@ def check_refusals(rank, world):
         uneven(torch.randn(TOKENS, HIDDEN))
 
 
-def worker(rank, world, port, cases):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def worker(rank, init_method, world, cases):
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         for case in cases:
@@ -363,20 +355,10 @@ CASES = [
 ]
 
 
-def spawn(world: int, cases, timeout_s: float = 600.0) -> None:
-    """Runs ``worker`` in ``world`` processes; a hang (a collective one rank skipped) fails the test."""
-    context = mp.start_processes(worker, args=(world, free_port(), cases), nprocs=world, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):  # raises ProcessRaisedException with the rank's traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the {world} gloo processes did not finish in {timeout_s} s")
-
-
 @pytest.mark.parametrize("world", [2, 4])
 def test_gloo_expert_parallel_equals_one_layer_holding_all_experts(world):
-    spawn(world, CASES)
+    # A hang (a collective one rank skipped) fails the test with the ranks' stacks.
+    spawn_group(worker, world, (world, CASES))
 
 
 # ------------------------------------------------------------------ one rank, in this process
