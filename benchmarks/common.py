@@ -66,6 +66,15 @@ def graphed(fn, *, warmup: int = 3):
     return graph.replay
 
 
+def shape_names(spec: str, known) -> list[str]:
+    """The names in a comma-separated ``--shapes`` value; exits naming any not in ``known``."""
+    names = spec.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"--shapes: unknown {unknown}; known {list(known)}")
+    return names
+
+
 def write_results(bench: str, rows: list[dict]) -> pathlib.Path:
     """Writes ``benchmarks/results/<bench>-<gpu>.json`` in the project's format."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -43,7 +43,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, write_results  # noqa: E402
+from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
@@ -147,10 +147,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
     parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
     args = parser.parse_args()
-    names = args.shapes.split(",")
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        raise SystemExit(f"--shapes: unknown {unknown}; known {list(SHAPES)}")
+    names = shape_names(args.shapes, SHAPES)
     flush = L2Flush()
     warm_up_clocks()
     rows = []

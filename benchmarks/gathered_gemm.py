@@ -34,7 +34,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, time_ms, write_results  # noqa: E402
+from common import L2Flush, print_table, shape_names, time_ms, write_results  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
 # name: (T, H, I, E, k), the experts-path shapes of benchmarks/moe_layer.py
@@ -131,10 +131,7 @@ def main() -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
-    names = args.shapes.split(",")
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        raise SystemExit(f"--shapes: unknown {unknown}; known {list(SHAPES)}")
+    names = shape_names(args.shapes, SHAPES)
     flush = L2Flush()
     warm_up_clocks()
     rows = []

@@ -61,20 +61,18 @@ struct ElementOf<MG_FLOAT32> { using type = float; };
 
 template <TileConfig C>
 struct TileTraits;
-template <>
-struct TileTraits<TileConfig::kCoop128x256> {
+// The cooperative ptr-array kernel on a 128x256x64 tile, with a cluster.
+template <class ClusterShape>
+struct Coop128x256Traits {
   using Tile = cute::Shape<_128, _256, _64>;
-  using Cluster = cute::Shape<_2, _1, _1>;
+  using Cluster = ClusterShape;
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
 template <>
-struct TileTraits<TileConfig::kCoop128x256NoCluster> {
-  using Tile = cute::Shape<_128, _256, _64>;
-  using Cluster = cute::Shape<_1, _1, _1>;
-  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
+struct TileTraits<TileConfig::kCoop128x256> : Coop128x256Traits<cute::Shape<_2, _1, _1>> {};
+template <>
+struct TileTraits<TileConfig::kCoop128x256NoCluster> : Coop128x256Traits<cute::Shape<_1, _1, _1>> {};
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>
