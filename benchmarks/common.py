@@ -30,21 +30,23 @@ class L2Flush:
         self.buffer.zero_()
 
 
+def run_ms(fn, flush: L2Flush | None = None) -> float:
+    """Milliseconds of one CUDA-event-timed ``fn()``, after an L2 flush if given."""
+    if flush is not None:
+        flush()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def time_ms(fn, *, warmup: int = 5, repeats: int = 30, flush: L2Flush | None = None) -> float:
     """Median milliseconds of ``fn()`` over ``repeats`` CUDA-event-timed runs."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if flush is not None:
-            flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(run_ms(fn, flush) for _ in range(repeats))
 
 
 def graphed(fn, *, warmup: int = 3):

@@ -43,7 +43,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
+from common import L2Flush, graphed, print_table, run_ms, shape_names, write_results  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
@@ -113,8 +113,11 @@ class Experts:
         return lambda: [a[s:u] @ b[g] for g, s, u in self.bounds]
 
 
-def forced(config: str, fn):
-    """``fn`` run (and captured) with the core forced to ``config``."""
+def forced(config, fn):
+    """``fn`` run (and captured) with the core forced to ``config``; ``fn`` itself for None (the core's choice)."""
+    if config is None:
+        return fn
+
     def run():
         os.environ[TILE_ENV] = config
         try:
@@ -175,18 +178,16 @@ def main() -> None:
 
 
 def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:
-    """Backend -> CUDA-event milliseconds of each run; backends alternate order every round."""
+    """Backend -> CUDA-event milliseconds of each run; backends alternate order every round.
+
+    Each runs once first, untimed: a graph's first replay also uploads it.
+    """
+    for run in runs.values():
+        run()
     times = {backend: [] for backend in runs}
     for r in range(rounds):
         for backend in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            for _ in range(per_round):
-                flush()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                runs[backend]()
-                end.record()
-                end.synchronize()
-                times[backend].append(start.elapsed_time(end))
+            times[backend] += [run_ms(runs[backend], flush) for _ in range(per_round)]
     return times
 
 
@@ -200,11 +201,9 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
         for config in (*CONFIGS, None):
             label = "cuda" if config is None else f"cuda:{config}"
             steps = moe_layer.Steps(moe_layer.make_layer(shape, "cuda_fused"), inputs)
-            eager = forced(config, steps.eager) if config else steps.eager
-            eager()
-            capture = forced(config, steps.capture) if config else steps.capture
-            _, runs[f"{label}_graphed"] = capture()
-            runs[label] = eager
+            runs[label] = forced(config, steps.eager)
+            runs[label]()
+            _, runs[f"{label}_graphed"] = forced(config, steps.capture)()
         for backend, ts in timed_rounds(runs, rounds, flush, per_round=2).items():
             ms = statistics.median(ts)
             rows.append({"bench": "experts_gemm_tiles", "op": "layer_fwd_bwd", "shape": shape.name,
@@ -233,9 +232,8 @@ def summarize(rows) -> None:
                           if r["backend"] == f"cuda:{config}" and r["splits"] == splits_kind
                           and r["op"].endswith(kinds)]
                 if ratios:
-                    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-                    print(f"{config} vs {CONFIGS[0]}, {splits_kind}, {'/'.join(kinds)}: "
-                          f"min {min(ratios):.3f}  geomean {geomean:.3f}  max {max(ratios):.3f}")
+                    print(f"{config} vs {CONFIGS[0]}, {splits_kind}, {'/'.join(kinds)}: min {min(ratios):.3f}  "
+                          f"geomean {statistics.geometric_mean(ratios):.3f}  max {max(ratios):.3f}")
 
 
 if __name__ == "__main__":
