@@ -108,10 +108,11 @@ class ExpertParallelMoELayer(nn.Module):
     rank to one rank), which never drops. Buffers are sized once, on the first
     forward (outside capture), from ``max_tokens`` or that forward's tokens,
     the largest over the group (the ranks agree on it, and ``capacity`` must
-    be the same on every rank); a later forward with more tokens is refused. The received rows, and so
-    the experts' activations, are sized by the capacity: the default holds
-    ``ep_size`` times the average load, so a smaller capacity trades memory
-    (and, with ``symm_mem``, symmetric memory per layer) for a risk of drops.
+    be the same on every rank); a later forward with more tokens is refused.
+    The received rows, and so the experts' activations, are sized by the
+    capacity: the default holds ``ep_size`` times the average load, so a
+    smaller capacity trades memory (and, with ``symm_mem``, symmetric memory
+    per layer) for a risk of drops.
 
     Args:
         hidden, ffn_hidden, num_experts, top_k: as :class:`MoELayer`;
@@ -275,7 +276,9 @@ class ExpertParallelMoELayer(nn.Module):
                              dtype=tokens.dtype, device=tokens.device, row_backend=row_backend),
             "padded_all_to_all": dict(budget=self.capacity // self.ep_size, row_backend=row_backend),
         }.get(self.transport_name, {})
-        self.transport = make_transport(self.transport_name, self.group, self.ep_size, self.num_local_experts, **options)
+        self.transport = make_transport(
+            self.transport_name, self.group, self.ep_size, self.num_local_experts, **options
+        )
         self.recv_rows = self.transport.recv_rows(self.capacity)
 
     def _agree_on_sizes(self, device: torch.device) -> None:
