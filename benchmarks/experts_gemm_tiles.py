@@ -1,4 +1,4 @@
-"""The core's grouped GEMM tile configurations on the MoE experts' six GEMMs.
+"""The core's grouped GEMM variants (tile configurations, D-map handling) on the MoE experts' six GEMMs.
 
 For each issue-19 shape (benchmarks/gathered_gemm.py's SHAPES: T, H, ffn I,
 E experts, top-k) and each of the experts' GEMMs on permuted rows (R = T * k):
@@ -15,17 +15,21 @@ Backends, every one captured in a CUDA graph and replayed (GPU time only),
 all in one process, timed in interleaved rounds (median of the runs, 256 MB
 L2 flush before each):
   cuda:<config>  the core forced to one tile configuration (MOE_GROUPED_GEMM_TILE)
-  cuda           the core's own choice (csrc/gemm/heuristic.cpp)
+  cuda:in_kernel_maps  the core's tile, D stored through CUTLASS's per-CTA tensor
+                 maps rewritten in the kernel at each change of group
+                 (MOE_GROUPED_GEMM_STORE_MAPS=in_kernel), as before the prebuilt maps
+  cuda           the core's own choice (csrc/gemm/heuristic.cpp, prebuilt maps)
   torch          torch._grouped_mm
   loop           one matmul per expert over host-known bounds
   dense          one matmul of the same FLOPs ([R, K] x [K, N]): the ceiling
-Every configuration must give bitwise the same result (same tile, same order
-of the K loop; only the cluster differs), which the script checks.
+Every variant must give bitwise the same result (same tile, same order of
+the K loop; only the cluster or the store's tensor map differs), which the
+script checks.
 
 op ``layer_fwd_bwd``: one training step of the fused MoELayer (as in
 benchmarks/moe_layer.py: top-k-then-softmax router, new inputs every step)
-with every GEMM forced to each configuration (``cuda:<config>``; wgrad has
-only the first, so it is the same in both) and with the core's choice
+with every GEMM run as each variant (``cuda:<variant>``; wgrad has only the
+first configuration, so it is the same in both) and as the core's choice
 (``cuda``), eager and captured (``_graphed``), interleaved in one process.
 
     python benchmarks/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
@@ -48,6 +52,10 @@ from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
 CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
+STORE_MAPS_ENV = "MOE_GROUPED_GEMM_STORE_MAPS"
+# backend name -> the environment the core runs under; "cuda" is the core's own choice
+VARIANTS = {**{f"cuda:{config}": {TILE_ENV: config} for config in CONFIGS},
+            "cuda:in_kernel_maps": {STORE_MAPS_ENV: "in_kernel"}}
 OPS = ("fc1_fprop", "fc2_fprop", "fc2_dgrad", "fc1_dgrad", "fc2_wgrad", "fc1_wgrad")
 SPLITS = ("topk_random", "balanced")
 
@@ -113,31 +121,29 @@ class Experts:
         return lambda: [a[s:u] @ b[g] for g, s, u in self.bounds]
 
 
-def forced(config, fn):
-    """``fn`` run (and captured) with the core forced to ``config``; ``fn`` itself for None (the core's choice)."""
-    if config is None:
+def forced(env: dict, fn):
+    """``fn`` run (and captured) with ``env`` set for the core; ``fn`` itself for an empty one (the core's choice)."""
+    if not env:
         return fn
 
     def run():
-        os.environ[TILE_ENV] = config
+        os.environ.update(env)
         try:
             return fn()
         finally:
-            os.environ.pop(TILE_ENV)
+            for name in env:
+                os.environ.pop(name)
     return run
 
 
 def replays(problem: Experts, op: str) -> dict:
-    """Backend name -> graph replay of op. Checks the forced configurations agree bitwise."""
+    """Backend name -> graph replay of op. Checks every variant agrees bitwise with the core's choice."""
     core = problem.core(op)
-    first = None
-    for config in CONFIGS:
-        out = forced(config, core)().clone()
-        if first is None:
-            first = out
-        elif not torch.equal(out, first):
-            raise AssertionError(f"{op}: {config} differs from {CONFIGS[0]}")
-    runs = {f"cuda:{config}": graphed(forced(config, core)) for config in CONFIGS}
+    expected = core().clone()
+    for backend, env in VARIANTS.items():
+        if not torch.equal(forced(env, core)(), expected):
+            raise AssertionError(f"{op}: {backend} differs from the core's choice")
+    runs = {backend: graphed(forced(env, core)) for backend, env in VARIANTS.items()}
     runs["cuda"] = graphed(core)
     for backend in ("torch", "loop", "dense"):
         runs[backend] = graphed(problem.reference(op, backend))
@@ -198,12 +204,11 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
     for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
         inputs = moe_layer.make_inputs(shape)
         runs = {}
-        for config in (*CONFIGS, None):
-            label = "cuda" if config is None else f"cuda:{config}"
+        for label, env in (*VARIANTS.items(), ("cuda", {})):
             steps = moe_layer.Steps(moe_layer.make_layer(shape, "cuda_fused"), inputs)
-            runs[label] = forced(config, steps.eager)
+            runs[label] = forced(env, steps.eager)
             runs[label]()
-            _, runs[f"{label}_graphed"] = forced(config, steps.capture)()
+            _, runs[f"{label}_graphed"] = forced(env, steps.capture)()
         for backend, ts in timed_rounds(runs, rounds, flush, per_round=2).items():
             ms = statistics.median(ts)
             rows.append({"bench": "experts_gemm_tiles", "op": "layer_fwd_bwd", "shape": shape.name,
@@ -217,23 +222,21 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
 
 
 def summarize(rows) -> None:
-    """Speed of each configuration relative to the first, per split: min, geometric mean, max over ops."""
-    base = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == f"cuda:{CONFIGS[0]}"}
+    """Speed of the core's choice relative to each variant, per split: min, geometric mean, max over ops."""
+    choice = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == "cuda"}
     layer = {(r["shape"], r["backend"]): r["ms"] for r in rows if r["op"] == "layer_fwd_bwd"}
     for shape in dict.fromkeys(s for s, _ in layer):
         for mode in ("", "_graphed"):
-            old, new = layer[(shape, f"cuda:{CONFIGS[0]}{mode}")], layer[(shape, f"cuda{mode}")]
-            print(f"layer {shape:<16} {mode[1:] or 'eager':<8} {CONFIGS[0]} {old:8.3f} ms  "
-                  f"core's choice {new:8.3f} ms  {old / new:.3f}x")
-    for config in CONFIGS[1:]:
+            new = layer[(shape, f"cuda{mode}")]
+            print(f"layer {shape:<16} {mode[1:] or 'eager':<8} core's choice {new:8.3f} ms  " + "  ".join(
+                f"{backend} {layer[(shape, backend + mode)] / new:.3f}x" for backend in VARIANTS))
+    for backend in VARIANTS:
         for splits_kind in SPLITS:
             for kinds in (("fprop", "dgrad"), ("wgrad",)):
-                ratios = [base[(r["op"], r["shape"], r["splits"])] / r["ms"] for r in rows
-                          if r["backend"] == f"cuda:{config}" and r["splits"] == splits_kind
-                          and r["op"].endswith(kinds)]
-                if ratios:
-                    print(f"{config} vs {CONFIGS[0]}, {splits_kind}, {'/'.join(kinds)}: min {min(ratios):.3f}  "
-                          f"geomean {statistics.geometric_mean(ratios):.3f}  max {max(ratios):.3f}")
+                ratios = [r["ms"] / choice[(r["op"], r["shape"], r["splits"])] for r in rows
+                          if r["backend"] == backend and r["splits"] == splits_kind and r["op"].endswith(kinds)]
+                print(f"core's choice vs {backend}, {splits_kind}, {'/'.join(kinds)}: min {min(ratios):.3f}  "
+                      f"geomean {statistics.geometric_mean(ratios):.3f}  max {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

@@ -188,6 +188,95 @@ def _experts(out):
     return list(out[0].unbind(0)) if len(out) == 1 and out[0].dim() == 3 else list(out)
 
 
+# D is stored through per-group tensor maps built before the GEMM ("prebuilt",
+# the default) or through CUTLASS's per-CTA maps rewritten inside the kernel
+# ("in_kernel"); MOE_GROUPED_GEMM_STORE_MAPS picks one. Only where the tile is
+# written differs, so the results must be bitwise equal.
+STORE_MAPS_ENV = "MOE_GROUPED_GEMM_STORE_MAPS"
+STORE_MAPS = ("prebuilt", "in_kernel")
+
+
+def _all_kinds(x, weights, m_splits, bias, dy, dtype):
+    """fprop (with and without bias), dgrad, and wgrad overwriting (fp32, dtype) and accumulating."""
+    num_experts, n, k = weights[0].shape
+    results = {
+        "fprop": cuda_backend.fprop(x, weights, m_splits, None, dtype),
+        "fprop+bias": cuda_backend.fprop(x, weights, m_splits, bias, dtype),
+        "dgrad": cuda_backend.dgrad(dy, weights, m_splits, dtype),
+    }
+    for out_dtype in (torch.float32, dtype):
+        out = torch.full((num_experts, n, k), float("nan"), dtype=out_dtype, device="cuda")
+        cuda_backend.wgrad(dy, x, m_splits, [out], False)
+        results[f"wgrad->{out_dtype}"] = out
+    main_grad = torch.linspace(-1, 1, num_experts * n * k, device="cuda").view(num_experts, n, k)
+    cuda_backend.wgrad(dy, x, m_splits, [main_grad], True)
+    results["wgrad+=fp32"] = main_grad
+    return results
+
+
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prebuilt_store_maps_match_in_kernel_maps_bitwise(dtype, shape, pattern, monkeypatch):
+    splits, x, weights = _problem(shape, dtype, pattern, "grouped")
+    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    bias = torch.randn(shape[0], shape[3]).to(dtype).cuda()
+    dy = torch.randn(shape[1], shape[3]).to(dtype).cuda()
+    results = {}
+    for maps in STORE_MAPS:
+        monkeypatch.setenv(STORE_MAPS_ENV, maps)
+        results[maps] = _all_kinds(x, weights, m_splits, bias, dy, dtype)
+    _check(results["prebuilt"]["fprop"], oracle_fprop(x, weights, splits, None), dtype, "prebuilt fprop")
+    for name, got in results["prebuilt"].items():
+        expected = results["in_kernel"][name]
+        assert torch.equal(got, expected), f"{name} {dtype=} {shape=} {pattern=}: prebuilt and in-kernel maps differ"
+
+
+def test_prebuilt_store_maps_replay_with_new_splits(monkeypatch):
+    """Maps are rebuilt from the device splits at every replay: 100 replays equal CUTLASS's own maps, eager."""
+    num_experts, total, k, n = 64, 3000, 136, 264
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(total, k, generator=gen).bfloat16().cuda()
+    dy = torch.randn(total, n, generator=gen).bfloat16().cuda()
+    weights = [(torch.randn(num_experts, n, k, generator=gen) / k**0.5).bfloat16().cuda()]
+    m_splits = _random_splits(gen, num_experts, total).cuda()
+    dw = torch.zeros(num_experts, n, k, device="cuda")
+
+    def step(out):
+        y = cuda_backend.fprop(x, weights, m_splits, None, torch.bfloat16)
+        dx = cuda_backend.dgrad(dy, weights, m_splits, torch.bfloat16)
+        cuda_backend.wgrad(dy, x, m_splits, [out], False)
+        return y, dx
+
+    monkeypatch.setenv(STORE_MAPS_ENV, "prebuilt")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(dw)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_static, dx_static = step(dw)
+    monkeypatch.setenv(STORE_MAPS_ENV, "in_kernel")
+    eager_dw = torch.empty_like(dw)
+    for replay in range(100):
+        m_splits.copy_(_random_splits(gen, num_experts, total))
+        graph.replay()
+        y, dx = step(eager_dw)
+        case = f"replay {replay} splits={m_splits.tolist()}"
+        assert torch.equal(y_static, y), f"fprop {case}"
+        assert torch.equal(dx_static, dx), f"dgrad {case}"
+        assert torch.equal(dw, eager_dw), f"wgrad {case}"
+
+
+def test_unknown_store_maps_value_is_refused(monkeypatch):
+    monkeypatch.setenv(STORE_MAPS_ENV, "sometimes")
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_STORE_MAPS=sometimes: expected prebuilt or in_kernel"):
+        cuda_backend.fprop(x, [w], torch.tensor([8], dtype=torch.int32, device="cuda"), None, torch.bfloat16)
+
+
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("shape", [(1, 77, 8, 200), (8, 1000, 8, 4104), (256, 3000, 8, 36)],
                          ids=["E1_N200", "E8_N4104", "E256_N36"])

@@ -120,6 +120,7 @@ struct Fp8GroupedGemm {
   using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
   using ElementAccumulator = float;
   static constexpr bool kBlockScaled = true;  // per-group scale pointers in the Workspace
+  static constexpr bool kPrebuiltStore = false;  // CUTLASS's in-kernel D map updates
   // fprop and dgrad: 128x256 tiles through WideTileMainloop, 1.00-1.11x the
   // 128x128 CUTLASS mainloop on every benchmark shape (H100, fprop up to
   // 1240 TFLOP/s on (8,16384,4096,14336)). wgrad: CUTLASS's mainloop on the

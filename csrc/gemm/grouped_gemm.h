@@ -41,6 +41,9 @@ struct GroupedGemmCall {
   RowGather gather_b;       // gathered wgrad: tokens_b is then B's source
   int sm_count;
   void* workspace;          // at least workspace_bytes(num_groups, sm_count)
+  // CUTLASS's own D-map updates inside the kernel instead of the prebuilt
+  // per-group maps (sm90_prebuilt_store_epilogue.cuh); for A/B measurements.
+  bool in_kernel_store_maps = false;
 };
 
 // One compiled kernel configuration.

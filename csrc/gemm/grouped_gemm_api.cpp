@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "core/error.h"
@@ -20,6 +21,21 @@ namespace {
 
 // Debugging only: forces a tile configuration by name (see heuristic.cpp).
 constexpr const char* kTileEnv = "MOE_GROUPED_GEMM_TILE";
+// Measurement only: "in_kernel" stores D through CUTLASS's per-CTA maps,
+// rewritten in the kernel at each change of group, instead of the per-group
+// maps built before it ("prebuilt", the default; sm90_prebuilt_store_epilogue.cuh).
+constexpr const char* kStoreMapsEnv = "MOE_GROUPED_GEMM_STORE_MAPS";
+
+mg_status in_kernel_store_maps(bool* out) {
+  *out = false;
+  const char* value = std::getenv(kStoreMapsEnv);
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "prebuilt") == 0) return MG_OK;
+  if (std::strcmp(value, "in_kernel") == 0) {
+    *out = true;
+    return MG_OK;
+  }
+  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected prebuilt or in_kernel", kStoreMapsEnv, value);
+}
 
 const KernelList& all_kernels(int index) {
   static const KernelList lists[] = {
@@ -96,6 +112,7 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   void* workspace = nullptr;
   MG_RETURN_IF_ERROR(workspace_get(p->device, p->workspace_slot, bytes, cuda_stream, &workspace));
   set_problem(call, p, sms, workspace);
+  MG_RETURN_IF_ERROR(in_kernel_store_maps(&call.in_kernel_store_maps));
   MG_RETURN_IF_ERROR(entry->run(call, cuda_stream));
   return ok();
 }

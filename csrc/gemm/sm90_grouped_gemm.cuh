@@ -38,6 +38,7 @@
 #include "core/setup.cuh"
 #include "core/workspace.h"
 #include "gemm/grouped_gemm.h"
+#include "gemm/sm90_prebuilt_store_epilogue.cuh"
 
 namespace moe_grouped::gemm::sm90 {
 
@@ -139,11 +140,14 @@ struct GroupedGemm {
       ElementD, float, std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>, float>;
   using Fusion = std::conditional_t<Kind == MG_GEMM_FPROP, BiasFusion, LinearFusion>;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+  using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile,
       typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
       ElementAccumulator, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename Tiles::Epilogue, Fusion>::CollectiveOp;
+  // D through one prebuilt tensor map per group (sm90_prebuilt_store_epilogue.cuh).
+  static constexpr bool kPrebuiltStore = true;
+  using CollectiveEpilogue = PrebuiltStoreEpilogue<BuiltEpilogue>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element,
@@ -181,6 +185,7 @@ struct Workspace {
   typename G::StrideA* stride_a = nullptr;
   typename G::StrideB* stride_b = nullptr;
   typename G::StrideD* stride_d = nullptr;  // also C for wgrad
+  cute::TmaDescriptor* store_descriptors = nullptr;  // [E], G::kPrebuiltStore only
   void* gemm = nullptr;
   size_t bytes = 0;
 };
@@ -211,6 +216,7 @@ Workspace<G> carve_workspace(void* base, int num_groups, int sm_count) {
   w.stride_a = carver.take<typename G::StrideA>(num_groups);
   w.stride_b = carver.take<typename G::StrideB>(num_groups);
   w.stride_d = carver.take<typename G::StrideD>(num_groups);
+  if constexpr (G::kPrebuiltStore) w.store_descriptors = carver.take<cute::TmaDescriptor>(num_groups);
   w.gemm = carver.take<char>(G::Gemm::get_workspace_size(sizing_arguments<G>(num_groups, sm_count)));
   w.bytes = carver.bytes_used();
   return w;
@@ -348,10 +354,12 @@ mg_status launch_zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_
   return MG_OK;
 }
 
-// Checks the arguments with CUTLASS, initialises its workspace and launches.
+// Checks the arguments with CUTLASS, initialises its workspace, builds the
+// per-group D maps (G::kPrebuiltStore) and launches.
 template <class G>
-mg_status launch_gemm(const typename G::Gemm::Arguments& args, void* gemm_workspace,
+mg_status launch_gemm(const typename G::Gemm::Arguments& args, const Workspace<G>& w,
                       cudaStream_t stream, int num_groups, int64_t n, int64_t k) {
+  void* gemm_workspace = w.gemm;
   if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
     return fail(MG_ERROR_INTERNAL,
                 "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)", num_groups,
@@ -363,6 +371,14 @@ mg_status launch_gemm(const typename G::Gemm::Arguments& args, void* gemm_worksp
                 cutlassGetStatusString(status));
   }
   typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, gemm_workspace);
+  if constexpr (G::kPrebuiltStore) {
+    if (args.epilogue.store_descriptors != nullptr) {
+      const int blocks = (num_groups + kBuildDescriptorWarps - 1) / kBuildDescriptorWarps;
+      build_store_descriptors<typename G::CollectiveEpilogue><<<blocks, kBuildDescriptorWarps * 32, 0, stream>>>(
+          params.epilogue, w.shapes, num_groups, w.store_descriptors);
+      MG_CUDA_RETURN(cudaGetLastError());
+    }
+  }
   status = G::Gemm::run(params, stream);
   if (status != cutlass::Status::kSuccess) {
     cudaError_t err = cudaGetLastError();
@@ -392,6 +408,9 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
   args.problem_shape = {call.num_groups, w.shapes, nullptr};
   args.epilogue.ptr_D = w.ptr_d;
   args.epilogue.dD = w.stride_d;
+  if constexpr (G::kPrebuiltStore) {
+    args.epilogue.store_descriptors = call.in_kernel_store_maps ? nullptr : w.store_descriptors;
+  }
   if constexpr (G::kKind == MG_GEMM_FPROP) {
     using ElementBias = typename G::ElementBias;
     args.epilogue.thread = {{}, {call.bias != nullptr ? w.ptr_bias : nullptr, ElementBias(0), {}}, {}};
@@ -410,7 +429,7 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
   // and 0.94-1.13x (bf16) on the H100, within run-to-run noise: not kept.
   args.hw_info.device_id = device;
   args.hw_info.sm_count = call.sm_count;
-  return launch_gemm<G>(args, w.gemm, stream, call.num_groups, call.n, call.k);
+  return launch_gemm<G>(args, w, stream, call.num_groups, call.n, call.k);
 }
 
 template <class G>
