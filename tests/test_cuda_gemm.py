@@ -151,37 +151,30 @@ TILE_ENV = "MOE_GROUPED_GEMM_TILE"
 TILE_CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
 
 
-@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_tile_configurations_match_reference_and_each_other_bitwise(dtype, shape, pattern, monkeypatch):
-    """Both configurations walk the same tiles in the same K order: bitwise equal results."""
+def _variant_operands(shape, dtype, pattern):
+    """splits, x, stacked weights, device m_splits, bias and dy of one case of the kernel-variant tests."""
     splits, x, weights = _problem(shape, dtype, pattern, "grouped")
     m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
     bias = torch.randn(shape[0], shape[3]).to(dtype).cuda()
     dy = torch.randn(shape[1], shape[3]).to(dtype).cuda()
-    results = {}
-    for config in TILE_CONFIGS:
-        monkeypatch.setenv(TILE_ENV, config)
-        y = cuda_backend.fprop(x, weights, m_splits, None, dtype)
-        yb = cuda_backend.fprop(x, weights, m_splits, bias, dtype)
-        dx = cuda_backend.dgrad(dy, weights, m_splits, dtype)
-        case = f"{config} {dtype=} {shape=} {pattern=}"
-        _check(y, oracle_fprop(x, weights, splits, None), dtype, f"fprop {case}")
-        _check(yb, oracle_fprop(x, weights, splits, bias), dtype, f"fprop+bias {case}")
-        _check(dx, oracle_dgrad(dy, weights, splits), dtype, f"dgrad {case}")
-        results[config] = (y, yb, dx)
-    first, second = (results[c] for c in TILE_CONFIGS)
-    for name, a, b in zip(("fprop", "fprop+bias", "dgrad"), first, second):
-        assert torch.equal(a, b), f"{name} {dtype=} {shape=} {pattern=}: configurations differ"
+    return splits, x, weights, m_splits, bias, dy
 
 
-def test_unknown_tile_configuration_is_refused(monkeypatch):
-    monkeypatch.setenv(TILE_ENV, "coop_1x1x1_c9x9")
-    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_TILE=coop_1x1x1_c9x9 names no tile configuration"):
-        cuda_backend.fprop(x, [w], torch.tensor([8], dtype=torch.int32, device="cuda"), None, torch.bfloat16)
+def _fprop_dgrad(x, weights, m_splits, bias, dy, dtype):
+    """fprop without and with bias, and dgrad, by name."""
+    return {
+        "fprop": cuda_backend.fprop(x, weights, m_splits, None, dtype),
+        "fprop+bias": cuda_backend.fprop(x, weights, m_splits, bias, dtype),
+        "dgrad": cuda_backend.dgrad(dy, weights, m_splits, dtype),
+    }
+
+
+def _assert_bitwise_equal(results: dict, case: str):
+    """Every variant's outputs (variant -> {op: tensor}) equal the first variant's, bit for bit."""
+    (first, expected), *others = results.items()
+    for variant, got in others:
+        for name, tensor in got.items():
+            assert torch.equal(tensor, expected[name]), f"{name} {case}: {variant} differs from {first}"
 
 
 def _experts(out):
@@ -199,11 +192,7 @@ STORE_MAPS = ("prebuilt", "in_kernel")
 def _all_kinds(x, weights, m_splits, bias, dy, dtype):
     """fprop (with and without bias), dgrad, and wgrad overwriting (fp32, dtype) and accumulating."""
     num_experts, n, k = weights[0].shape
-    results = {
-        "fprop": cuda_backend.fprop(x, weights, m_splits, None, dtype),
-        "fprop+bias": cuda_backend.fprop(x, weights, m_splits, bias, dtype),
-        "dgrad": cuda_backend.dgrad(dy, weights, m_splits, dtype),
-    }
+    results = _fprop_dgrad(x, weights, m_splits, bias, dy, dtype)
     for out_dtype in (torch.float32, dtype):
         out = torch.full((num_experts, n, k), float("nan"), dtype=out_dtype, device="cuda")
         cuda_backend.wgrad(dy, x, m_splits, [out], False)
@@ -214,22 +203,30 @@ def _all_kinds(x, weights, m_splits, bias, dy, dtype):
     return results
 
 
+# (environment variable, its values, what each value must agree on)
+KERNEL_VARIANTS = {
+    "tile": (TILE_ENV, TILE_CONFIGS, _fprop_dgrad),
+    "store_maps": (STORE_MAPS_ENV, STORE_MAPS, _all_kinds),
+}
+
+
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_prebuilt_store_maps_match_in_kernel_maps_bitwise(dtype, shape, pattern, monkeypatch):
-    splits, x, weights = _problem(shape, dtype, pattern, "grouped")
-    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
-    bias = torch.randn(shape[0], shape[3]).to(dtype).cuda()
-    dy = torch.randn(shape[1], shape[3]).to(dtype).cuda()
+@pytest.mark.parametrize("variants", list(KERNEL_VARIANTS))
+def test_kernel_variants_match_reference_and_each_other_bitwise(variants, dtype, shape, pattern, monkeypatch):
+    """Variants run the same tiles in the same K order: bitwise equal results, each against the oracle."""
+    env, values, run = KERNEL_VARIANTS[variants]
+    splits, x, weights, m_splits, bias, dy = _variant_operands(shape, dtype, pattern)
     results = {}
-    for maps in STORE_MAPS:
-        monkeypatch.setenv(STORE_MAPS_ENV, maps)
-        results[maps] = _all_kinds(x, weights, m_splits, bias, dy, dtype)
-    _check(results["prebuilt"]["fprop"], oracle_fprop(x, weights, splits, None), dtype, "prebuilt fprop")
-    for name, got in results["prebuilt"].items():
-        expected = results["in_kernel"][name]
-        assert torch.equal(got, expected), f"{name} {dtype=} {shape=} {pattern=}: prebuilt and in-kernel maps differ"
+    for value in values:
+        monkeypatch.setenv(env, value)
+        results[value] = got = run(x, weights, m_splits, bias, dy, dtype)
+        case = f"{env}={value} {dtype=} {shape=} {pattern=}"
+        _check(got["fprop"], oracle_fprop(x, weights, splits, None), dtype, f"fprop {case}")
+        _check(got["fprop+bias"], oracle_fprop(x, weights, splits, bias), dtype, f"fprop+bias {case}")
+        _check(got["dgrad"], oracle_dgrad(dy, weights, splits), dtype, f"dgrad {case}")
+    _assert_bitwise_equal(results, f"{dtype=} {shape=} {pattern=}")
 
 
 def test_prebuilt_store_maps_replay_with_new_splits(monkeypatch):
@@ -269,11 +266,15 @@ def test_prebuilt_store_maps_replay_with_new_splits(monkeypatch):
         assert torch.equal(dw, eager_dw), f"wgrad {case}"
 
 
-def test_unknown_store_maps_value_is_refused(monkeypatch):
-    monkeypatch.setenv(STORE_MAPS_ENV, "sometimes")
+@pytest.mark.parametrize("env, value, message", [
+    (TILE_ENV, "coop_1x1x1_c9x9", "MOE_GROUPED_GEMM_TILE=coop_1x1x1_c9x9 names no tile configuration"),
+    (STORE_MAPS_ENV, "sometimes", "MOE_GROUPED_GEMM_STORE_MAPS=sometimes: expected prebuilt or in_kernel"),
+])
+def test_unknown_kernel_variant_is_refused(env, value, message, monkeypatch):
+    monkeypatch.setenv(env, value)
     x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(1, 64, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_STORE_MAPS=sometimes: expected prebuilt or in_kernel"):
+    with pytest.raises(ValueError, match=message):
         cuda_backend.fprop(x, [w], torch.tensor([8], dtype=torch.int32, device="cuda"), None, torch.bfloat16)
 
 
