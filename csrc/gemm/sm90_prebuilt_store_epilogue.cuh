@@ -13,15 +13,16 @@
 // as in a plain GEMM; the results are bitwise the same.
 //
 // H100 (benchmarks/experts_gemm_tiles.py, cuda vs cuda:in_kernel_maps, the six
-// expert GEMMs of the five issue-19 shapes, graphed): 1.01x geometric mean for
-// fprop/dgrad and wgrad on top-k and balanced splits, up to 1.03x on the
-// fine-grained shapes, 0.98-1.00x on Mixtral-like E = 8 (few group changes);
-// fused layer step graphed 1.02x (Qwen3-, OLMoE-like), 1.015x (DeepSeek-V2-Lite-
-// like), 1.00x (H = 4096). A standalone CUTLASS probe of balanced fprop put
-// the ptr-array kernel 3-12% behind the batched (one map, L = E) kernel on
-// the same tile; this closes about half of that. The same treatment of the
-// mainloop's A and B maps (prebuilt, acquired at each change of group)
-// measured slower than this alone: not done.
+// expert GEMMs of the five issue-19 shapes, graphed, two runs): 1.01x geometric
+// mean for fprop/dgrad and for wgrad, on top-k and balanced splits; most
+// fprop/dgrad of the fine-grained shapes 1.01-1.03x (all 0.98-1.03x), Mixtral-
+// like E = 8 (few changes of group) 0.98-1.01x. Fused layer step, graphed:
+// 1.01-1.02x (Qwen3-, OLMoE-, DeepSeek-V2-Lite-like), 1.00x (H = 4096). A
+// standalone CUTLASS probe of balanced fprop put the ptr-array kernel 3-12%
+// behind the batched kernel (one map, L = E) on the same tile; this closes
+// about half of that. Prebuilt A and B maps for the mainloop as well (acquired
+// at each change of group, with or without a prefetch) measured slower than
+// this alone (down to 0.92x at K = 768): not done.
 //
 // Everything else (C loads for wgrad's accumulation, the fusion callbacks, the
 // store itself) is the wrapped epilogue's.
