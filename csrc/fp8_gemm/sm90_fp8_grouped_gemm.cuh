@@ -120,7 +120,13 @@ struct Fp8GroupedGemm {
   using ElementC = std::conditional_t<Kind == MG_GEMM_WGRAD, ElementD, void>;
   using ElementAccumulator = float;
   static constexpr bool kBlockScaled = true;  // per-group scale pointers in the Workspace
-  static constexpr bool kPrebuiltStore = false;  // CUTLASS's in-kernel D map updates
+  // D through CUTLASS's per-CTA maps, rewritten in the kernel at each change of
+  // group. The 16-bit kernels' prebuilt per-group maps
+  // (gemm/sm90_prebuilt_store_epilogue.cuh) were tried on the cooperative FP8
+  // kernels: bitwise equal, but fprop/dgrad at 0.91-0.95x on Qwen3- and
+  // DeepSeek-V2-Lite-like shapes (H100, graphed, top-k splits), 1.00x
+  // elsewhere, wgrad 1.00-1.01x. Not used here.
+  static constexpr bool kPrebuiltStore = false;
   // fprop and dgrad: 128x256 tiles through WideTileMainloop, 1.00-1.11x the
   // 128x128 CUTLASS mainloop on every benchmark shape (H100, fprop up to
   // 1240 TFLOP/s on (8,16384,4096,14336)). wgrad: CUTLASS's mainloop on the
