@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import pathlib
@@ -66,6 +67,13 @@ def graphed(fn, *, warmup: int = 3):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def shapes_parser(doc: str, known) -> argparse.ArgumentParser:
+    """A parser for a benchmark whose docstring is ``doc``, with ``--shapes`` (default: all of ``known``)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=",".join(known), help="comma-separated names of " + ", ".join(known))
+    return parser
 
 
 def shape_names(spec: str, known) -> list[str]:

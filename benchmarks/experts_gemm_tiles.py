@@ -37,7 +37,6 @@ first configuration, so it is the same in both) and as the core's choice
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import pathlib
@@ -47,7 +46,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, run_ms, shape_names, write_results  # noqa: E402
+from common import L2Flush, graphed, print_table, run_ms, shape_names, shapes_parser, write_results  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
@@ -151,8 +150,7 @@ def replays(problem: Experts, op: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
+    parser = shapes_parser(__doc__, SHAPES)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
     parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
     args = parser.parse_args()

@@ -26,7 +26,6 @@ runs with a 256 MB L2 flush before each.
 
 from __future__ import annotations
 
-import argparse
 import math
 import pathlib
 import sys
@@ -34,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, shape_names, time_ms, write_results  # noqa: E402
+from common import L2Flush, print_table, shape_names, shapes_parser, time_ms, write_results  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
 # name: (T, H, I, E, k), the experts-path shapes of benchmarks/moe_layer.py
@@ -127,8 +126,7 @@ class Case:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names of " + ", ".join(SHAPES))
+    parser = shapes_parser(__doc__, SHAPES)
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
     names = shape_names(args.shapes, SHAPES)
