@@ -18,9 +18,9 @@
 // fprop/dgrad of the fine-grained shapes 1.01-1.03x (all 0.98-1.03x), Mixtral-
 // like E = 8 (few changes of group) 0.98-1.01x. Fused layer step, graphed:
 // 1.01-1.02x (Qwen3-, OLMoE-, DeepSeek-V2-Lite-like), 1.00x (H = 4096). A
-// standalone CUTLASS probe of balanced fprop put the ptr-array kernel 3-12%
-// behind the batched kernel (one map, L = E) on the same tile; this closes
-// about half of that. Prebuilt A and B maps for the mainloop as well (acquired
+// standalone CUTLASS probe of balanced fprop put the ptr-array kernel 0-20%
+// (mostly 4-12%) behind the batched kernel (one map, L = E) on the same tile;
+// this closes about half of that. Prebuilt A and B maps for the mainloop as well (acquired
 // at each change of group, with or without a prefetch) measured slower than
 // this alone (down to 0.92x at K = 768): not done.
 //
