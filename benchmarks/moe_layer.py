@@ -42,9 +42,14 @@ torch (unfused) and torch_graphed. On every shape ``cuda`` without a suffix
 is the layer's default experts path (fused on Hopper with the core's
 weighted SwiGLU backward). Each fwd_bwd row has ``peak_mib``: eager rows,
 torch.cuda.max_memory_allocated minus the allocated bytes at the start of one
-step (after reset_peak_memory_stats; parameters and inputs excluded,
-gradients and kept activations included); graphed rows, the same over the
-warm-up steps and the capture (what the graph's pool must hold).
+step (after reset_peak_memory_stats). Parameters and inputs are excluded. The
+previous step's weight gradients are still allocated at the start and the
+step replaces them, so weight gradients are not in the figure either (as
+when they accumulate into kept buffers); the input gradient, the kept
+activations and the backward's buffers are. Every backend starts that step
+with no input gradient allocated. Graphed rows: the same over the warm-up
+steps and the capture, which start with no gradients, so these include the
+weight gradients (what the graph's pool must hold).
 
 op ``permute``: ``moe_grouped.permute`` + ``unpermute`` (routing weights),
 forward and backward, bf16, random distinct top-k experts per token, for the
@@ -199,6 +204,17 @@ class Steps:
         out.backward(dout)
         return out.detach()  # capture_step's outputs are tensors
 
+    def clear_input_grads(self) -> None:
+        """Drop every cycled input's gradient, so a measured step starts as every backend's does.
+
+        The inputs are shared by the backends of a shape, and a step frees its
+        own x.grad when it starts: without this, a backend measured after
+        another would start with that x.grad allocated and free it inside the
+        measured step, reading one [T, H] input gradient lower.
+        """
+        for x, _ in self.inputs:
+            x.grad = None
+
     def eager(self) -> None:
         x, dout = self.inputs[self.index % NUM_INPUTS]
         self.index += 1
@@ -279,6 +295,7 @@ def bench_grouped(shape: Shape, backend: str, inputs, record) -> None:
     """``backend`` eagerly, then the same layer captured and replayed."""
     steps = Steps(make_layer(shape, backend), inputs)
     steps.eager()  # first-call setup (workspaces, gradients' first allocation) outside the measured step
+    steps.clear_input_grads()
     record(backend, steps.eager, peak_mib(steps.eager))
     _, replay = steps.capture()
     record(f"{backend}_graphed", replay, steps.capture_peak_mib)
