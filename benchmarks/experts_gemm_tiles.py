@@ -28,9 +28,12 @@ script checks.
 
 op ``layer_fwd_bwd``: one training step of the fused MoELayer (as in
 benchmarks/moe_layer.py: top-k-then-softmax router, new inputs every step)
-with every GEMM run as each variant (``cuda:<variant>``; wgrad has only the
-first configuration, so it is the same in both) and as the core's choice
-(``cuda``), eager and captured (``_graphed``), interleaved in one process.
+with every GEMM run as each variant (``cuda:<variant>``; where a configuration
+is not built for a GEMM the core runs the 2x1 cluster with CUTLASS's epilogue
+pieces, so fprop/dgrad under c2x1_e128x64 and wgrad under c1x1 run plain
+2x1) and as the core's choice (``cuda``), eager and captured (``_graphed``),
+interleaved in one process. ``cuda:coop_128x256x64_c1x1`` is the core's
+choice as it was before the 128x64 wgrad epilogue.
 
     python benchmarks/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
 """
@@ -50,7 +53,7 @@ from common import L2Flush, graphed, print_table, run_ms, shape_names, shapes_pa
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
-CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
+CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1", "coop_128x256x64_c2x1_e128x64")
 STORE_MAPS_ENV = "MOE_GROUPED_GEMM_STORE_MAPS"
 # backend name -> the environment the core runs under; "cuda" is the core's own choice
 VARIANTS = {**{f"cuda:{config}": {TILE_ENV: config} for config in CONFIGS},

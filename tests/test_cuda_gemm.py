@@ -144,11 +144,14 @@ def test_wgrad(dtype, layout, shape, pattern):
             assert torch.equal(got[e], before[e]), f"{case}: empty expert {e} was modified"
 
 
-# fprop and dgrad run on the 128x256 tile without a cluster (the heuristic's
-# choice for 16-bit outputs) or with a 2x1 cluster (fp32 outputs, wgrad, and
-# the fallback); MOE_GROUPED_GEMM_TILE forces either.
+# The 128x256 tile without a cluster (fprop/dgrad into 16 bits), with a 2x1
+# cluster (fp32 outputs, wgrad, and the fallback where a configuration is not
+# built), and with a 2x1 cluster storing the tile in 128x64 pieces (bf16 wgrad
+# into bf16 with at most 3072 output and at least 2048 input features).
+# MOE_GROUPED_GEMM_TILE forces one; only the cluster and how the tile is
+# stored differ, so the results are bitwise equal.
 TILE_ENV = "MOE_GROUPED_GEMM_TILE"
-TILE_CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1")
+TILE_CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1", "coop_128x256x64_c2x1_e128x64")
 
 
 def _variant_operands(shape, dtype, pattern):
@@ -205,7 +208,7 @@ def _all_kinds(x, weights, m_splits, bias, dy, dtype):
 
 # (environment variable, its values, what each value must agree on)
 KERNEL_VARIANTS = {
-    "tile": (TILE_ENV, TILE_CONFIGS, _fprop_dgrad),
+    "tile": (TILE_ENV, TILE_CONFIGS, _all_kinds),
     "store_maps": (STORE_MAPS_ENV, STORE_MAPS, _all_kinds),
 }
 

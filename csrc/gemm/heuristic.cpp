@@ -8,6 +8,7 @@ const char* tile_config_name(TileConfig config) {
   switch (config) {
     case TileConfig::kCoop128x256: return "coop_128x256x64_c2x1";
     case TileConfig::kCoop128x256NoCluster: return "coop_128x256x64_c1x1";
+    case TileConfig::kCoop128x256Epi128x64: return "coop_128x256x64_c2x1_e128x64";
     case TileConfig::kCount: break;
   }
   return "unknown";
@@ -50,10 +51,32 @@ bool parse_tile_config(const char* name, TileConfig* out) {
 // (results/experts_gemm_tiles-h100.json). wgrad's groups have fixed shapes
 // (n x k), so the rounding costs nothing there and the 2x1 cluster stays
 // (256x128 with 1x2 was 0.94-1.06x of it).
+//
+// The epilogue stores a tile in pieces: CUTLASS's default for this tile is
+// 128x32; 128x64 pieces halve the shared-memory round trips. Measured on the
+// H100 (2026-11-26, benchmarks/experts_gemm_tiles.py, the six expert GEMMs of
+// the five issue-19 shapes, top-k and balanced splits, graphed, one process;
+// the same kernel under two names read 0.91-1.06x, which is the noise):
+// - fprop/dgrad without a cluster, 128x64 against 128x32: 1.009x geometric
+//   mean over 40 cases (0.975-1.051). Not distinguishable from the noise, so
+//   not built.
+// - bf16 wgrad with the 2x1 cluster: it reads C, so 128x64 pieces leave three
+//   mainloop stages instead of four. Two runs (32 wgrad cases each):
+//   fc1 of the four fine-grained shapes (M = 2I = 1536-2816 output features,
+//   N = H = 2048-4096): 1.020-1.039x in the first run, 0.991-1.050x in the
+//   second (15 of 16 cases at 1.02x or more); fc2 with M = 2048, N = 768 or
+//   1024: 0.94-1.00x; fc2 with N = 1408: 1.04x; M = 4096, N = 1024: 0.95-
+//   1.00x; Mixtral-like fc1 (M = 28672): 0.83-0.87x, fc2 (M = 4096, N =
+//   14336): 1.01-1.06x. So 128x64 only for bf16 dW with at most 3072 output
+//   features and at least 2048 input features.
 // New configurations go into this function with the measurement that
 // justifies them.
 TileConfig choose_tile_config(const GemmShape& shape) {
-  if (shape.kind == MG_GEMM_WGRAD) return TileConfig::kCoop128x256;
+  if (shape.kind == MG_GEMM_WGRAD) {
+    const bool bf16 = shape.dtype == MG_BFLOAT16 && shape.out_dtype == MG_BFLOAT16;
+    const bool narrow_and_deep = shape.n <= 3072 && shape.k >= 2048;
+    return bf16 && narrow_and_deep ? TileConfig::kCoop128x256Epi128x64 : TileConfig::kCoop128x256;
+  }
   return TileConfig::kCoop128x256NoCluster;
 }
 

@@ -62,11 +62,16 @@ struct ElementOf<MG_FLOAT32> { using type = float; };
 
 template <TileConfig C>
 struct TileTraits;
-// The cooperative ptr-array kernel on a 128x256x64 tile, with a cluster.
-template <class ClusterShape>
+// The cooperative ptr-array kernel on a 128x256x64 tile, with a cluster. The
+// epilogue stores the tile in pieces of EpilogueTile: CUTLASS's default is
+// 128x32 (eight shared-memory round trips per tile); 128x64 halves them, at
+// twice the epilogue's shared memory (wgrad, which reads C, then keeps three
+// mainloop stages instead of four). heuristic.cpp says where that pays.
+template <class ClusterShape, class EpilogueTileShape = cutlass::epilogue::collective::EpilogueTileAuto>
 struct Coop128x256Traits {
   using Tile = cute::Shape<_128, _256, _64>;
   using Cluster = ClusterShape;
+  using EpilogueTile = EpilogueTileShape;
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
@@ -74,6 +79,10 @@ template <>
 struct TileTraits<TileConfig::kCoop128x256> : Coop128x256Traits<cute::Shape<_2, _1, _1>> {};
 template <>
 struct TileTraits<TileConfig::kCoop128x256NoCluster> : Coop128x256Traits<cute::Shape<_1, _1, _1>> {};
+template <>
+struct TileTraits<TileConfig::kCoop128x256Epi128x64>
+    : Coop128x256Traits<cute::Shape<_2, _1, _1>, cute::Shape<_128, _64>> {};
+
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>
@@ -142,7 +151,7 @@ struct GroupedGemm {
 
   using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Tiles::Tile,
-      typename Tiles::Cluster, cutlass::epilogue::collective::EpilogueTileAuto,
+      typename Tiles::Cluster, typename Tiles::EpilogueTile,
       ElementAccumulator, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename Tiles::Epilogue, Fusion>::CollectiveOp;
   // D through one prebuilt tensor map per group (sm90_prebuilt_store_epilogue.cuh).

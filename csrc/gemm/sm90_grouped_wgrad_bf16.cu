@@ -10,8 +10,9 @@ constexpr auto kIn = MG_BFLOAT16;
 
 using CoopF32 = GroupedGemm<kKind, kIn, MG_FLOAT32, TileConfig::kCoop128x256>;
 using Coop = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256>;
+using CoopEpi = GroupedGemm<kKind, kIn, kIn, TileConfig::kCoop128x256Epi128x64>;
 
-const KernelEntry kEntries[] = {entry<CoopF32>(), entry<Coop>()};
+const KernelEntry kEntries[] = {entry<CoopF32>(), entry<Coop>(), entry<CoopEpi>()};
 }  // namespace
 
 KernelList sm90_wgrad_bf16_kernels() {
