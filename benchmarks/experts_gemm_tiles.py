@@ -32,8 +32,10 @@ with every GEMM run as each variant (``cuda:<variant>``; where a configuration
 is not built for a GEMM the core runs the 2x1 cluster with CUTLASS's epilogue
 pieces, so fprop/dgrad under c2x1_e128x64 and wgrad under c1x1 run plain
 2x1) and as the core's choice (``cuda``), eager and captured (``_graphed``),
-interleaved in one process. ``cuda:coop_128x256x64_c1x1`` is the core's
-choice as it was before the 128x64 wgrad epilogue.
+in one process on one layer, each variant captured afresh every round with
+no other variant's graph alive, in alternating order.
+``cuda:coop_128x256x64_c1x1`` is the core's choice as it was before the
+128x64 wgrad epilogue.
 
     python benchmarks/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
 """
@@ -204,20 +206,33 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
     rows = []
     for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
         inputs = moe_layer.make_inputs(shape)
-        runs = {}
-        for label, env in (*VARIANTS.items(), ("cuda", {})):
-            steps = moe_layer.Steps(moe_layer.make_layer(shape, "cuda_fused"), inputs)
-            runs[label] = forced(env, steps.eager)
-            runs[label]()
-            _, runs[f"{label}_graphed"] = forced(env, steps.capture)()
-        for backend, ts in timed_rounds(runs, rounds, flush, per_round=2).items():
+        layer = moe_layer.make_layer(shape, "cuda_fused")  # the environment picks the kernels at each call
+        variants = (*VARIANTS.items(), ("cuda", {}))
+        times = {f"{label}{mode}": [] for label, _ in variants for mode in ("", "_graphed")}
+        for r in range(rounds):
+            # One variant's graph alive at a time, captured afresh each round:
+            # with every variant's graph held at once, the ones captured later
+            # read slower whatever their kernels (Mixtral-like on the H100: the
+            # core's choice, captured last, 7% behind the same kernels under
+            # another name; captured first, the last one 21% behind).
+            for label, env in (variants if r % 2 == 0 else variants[::-1]):
+                steps = moe_layer.Steps(layer, inputs)
+                eager = forced(env, steps.eager)
+                eager()
+                _, replay = forced(env, steps.capture)()
+                replay()  # a graph's first replay also uploads it
+                for mode, run in (("", eager), ("_graphed", replay)):
+                    times[label + mode] += [run_ms(run, flush) for _ in range(2)]
+                del steps, eager, replay
+                moe_layer.free_memory()
+        for backend, ts in times.items():
             ms = statistics.median(ts)
             rows.append({"bench": "experts_gemm_tiles", "op": "layer_fwd_bwd", "shape": shape.name,
                          "splits": "router", "backend": backend, "ms": round(ms, 5),
                          "tflops": round(shape.flops() / ms / 1e9, 2)})
-        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(runs):]),
+        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
               flush=True)
-        del runs
+        del layer
         moe_layer.free_memory()
     return rows
 
