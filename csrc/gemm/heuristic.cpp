@@ -47,7 +47,7 @@ bool parse_tile_config(const char* name, TileConfig* out) {
 // every expert's count a multiple of 256. A 1x2 cluster matched it where the
 // 256-column tiles come in even numbers and lost where they do not
 // (N = 768, 2816: 7-28%); a 256x128 tile with a 1x2 cluster was 0.94-1.06x of 2x1.
-// benchmarks/experts_gemm_tiles.py times the two built configurations
+// benchmarks/experts_gemm_tiles.py times the built configurations
 // (results/experts_gemm_tiles-h100.json). wgrad's groups have fixed shapes
 // (n x k), so the rounding costs nothing there and the 2x1 cluster stays
 // (256x128 with 1x2 was 0.94-1.06x of it).
