@@ -211,10 +211,11 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
         times = {f"{label}{mode}": [] for label, _ in variants for mode in ("", "_graphed")}
         for r in range(rounds):
             # One variant's graph alive at a time, captured afresh each round:
-            # with every variant's graph held at once, the ones captured later
-            # read slower whatever their kernels (Mixtral-like on the H100: the
-            # core's choice, captured last, 7% behind the same kernels under
-            # another name; captured first, the last one 21% behind).
+            # with every variant's graph held at once, replays slowed unevenly,
+            # whatever their kernels (Mixtral-like on the H100: the core's
+            # choice 7% behind the same kernels under another name; in another
+            # capture order one variant 21% behind). Five graphs of one layer
+            # alive replay 2-7% slower than one alone.
             for label, env in (variants if r % 2 == 0 else variants[::-1]):
                 steps = moe_layer.Steps(layer, inputs)
                 eager = forced(env, steps.eager)
