@@ -154,11 +154,16 @@ def replays(problem: Experts, op: str) -> dict:
     return runs
 
 
-def main() -> None:
-    parser = shapes_parser(__doc__, SHAPES)
+def rounds_parser(doc: str):
+    """--shapes, --rounds and --no-layer: the options of the benchmarks built on timed_rounds and layer_rows."""
+    parser = shapes_parser(doc, SHAPES)
     parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
     parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = rounds_parser(__doc__).parse_args()
     names = shape_names(args.shapes, SHAPES)
     flush = L2Flush()
     warm_up_clocks()
@@ -180,7 +185,7 @@ def main() -> None:
             del problem
             torch.cuda.empty_cache()
     if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush)
+        rows += layer_rows(names, args.rounds, flush, VARIANTS, "experts_gemm_tiles")
     print_table(rows, "tflops")
     summarize(rows)
     print(f"wrote {write_results('experts_gemm_tiles', rows)}")
@@ -200,15 +205,17 @@ def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dic
     return times
 
 
-def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
+def layer_rows(names: list[str], rounds: int, flush: L2Flush, variants: dict, bench: str) -> list[dict]:
+    """Rows of op ``layer_fwd_bwd``: a fused MoELayer step under each of ``variants`` (name -> the core's
+    environment) and the core's choice ("cuda"), eager and graphed (see the module docstring)."""
     import moe_layer
 
     rows = []
     for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
         inputs = moe_layer.make_inputs(shape)
         layer = moe_layer.make_layer(shape, "cuda_fused")  # the environment picks the kernels at each call
-        variants = (*VARIANTS.items(), ("cuda", {}))
-        times = {f"{label}{mode}": [] for label, _ in variants for mode in ("", "_graphed")}
+        runs = (*variants.items(), ("cuda", {}))
+        times = {f"{label}{mode}": [] for label, _ in runs for mode in ("", "_graphed")}
         for r in range(rounds):
             # One variant's graph alive at a time, captured afresh each round:
             # with every variant's graph held at once, replays slowed unevenly,
@@ -216,7 +223,7 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
             # choice 7% behind the same kernels under another name; in another
             # capture order one variant 21% behind). Five graphs of one layer
             # alive replay 2-7% slower than one alone.
-            for label, env in (variants if r % 2 == 0 else variants[::-1]):
+            for label, env in (runs if r % 2 == 0 else runs[::-1]):
                 steps = moe_layer.Steps(layer, inputs)
                 eager = forced(env, steps.eager)
                 eager()
@@ -228,7 +235,7 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
                 moe_layer.free_memory()
         for backend, ts in times.items():
             ms = statistics.median(ts)
-            rows.append({"bench": "experts_gemm_tiles", "op": "layer_fwd_bwd", "shape": shape.name,
+            rows.append({"bench": bench, "op": "layer_fwd_bwd", "shape": shape.name,
                          "splits": "router", "backend": backend, "ms": round(ms, 5),
                          "tflops": round(shape.flops() / ms / 1e9, 2)})
         print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
@@ -238,15 +245,20 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush) -> list[dict]:
     return rows
 
 
-def summarize(rows) -> None:
-    """Speed of the core's choice relative to each variant, per split: min, geometric mean, max over ops."""
-    choice = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == "cuda"}
+def summarize_layer(rows, variants) -> None:
+    """Layer step of the core's choice relative to each variant's, per shape and mode."""
     layer = {(r["shape"], r["backend"]): r["ms"] for r in rows if r["op"] == "layer_fwd_bwd"}
     for shape in dict.fromkeys(s for s, _ in layer):
         for mode in ("", "_graphed"):
             new = layer[(shape, f"cuda{mode}")]
             print(f"layer {shape:<16} {mode[1:] or 'eager':<8} core's choice {new:8.3f} ms  " + "  ".join(
-                f"{backend} {layer[(shape, backend + mode)] / new:.3f}x" for backend in VARIANTS))
+                f"{backend} {layer[(shape, backend + mode)] / new:.3f}x" for backend in variants))
+
+
+def summarize(rows) -> None:
+    """Speed of the core's choice relative to each variant, per split: min, geometric mean, max over ops."""
+    choice = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == "cuda"}
+    summarize_layer(rows, VARIANTS)
     for backend in VARIANTS:
         for splits_kind in SPLITS:
             for kinds in (("fprop", "dgrad"), ("wgrad",)):

@@ -35,6 +35,7 @@ CAP_PERMUTE = 8
 CAP_FP8_QUANTIZE = 16
 CAP_SWIGLU = 32
 CAP_GATHERED_GEMM = 64
+CAP_DGRAD_SWIGLU = 128
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -180,6 +181,11 @@ _PROTOTYPES = {
         ctypes.c_int,
         [ctypes.POINTER(GroupedProblem), _vp, RowGather, GroupOperand, _vp, ctypes.c_int, _vp],
     ),
+    "mg_grouped_dgrad_swiglu": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, GroupOperand, _vp, _vp, _vp, _vp, ctypes.c_int64, _vp],
+    ),
+    "mg_grouped_dgrad_swiglu_partial_cols": (ctypes.c_int, [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]),
     "mg_grouped_dgrad_gathered": (
         ctypes.c_int,
         [ctypes.POINTER(GroupedProblem), _vp, RowGather, GroupOperand, _vp, ctypes.c_int, _vp],

@@ -12,7 +12,9 @@ dy_u = dout_t gathered unweighted):
   ``d w = <dout_t, y_r> = <dy_u W2, h> = <dh_u, h>``: no y needed;
 - ``dh = w * dh_u``, ``dg = swiglu_backward(dh, g)``, and
   ``dW2 = dy_u^T (w * h)``: one pass (:func:`moe_grouped.activation.swiglu_weighted_backward`)
-  gives dg, w * h and d w from dh_u and g, in place of g and dh_u;
+  gives dg (in place of g), w * h and d w from dh_u and g
+  (``torch.ops.moe_grouped.grouped_dgrad_swiglu_``, which can also run it
+  in fc2's dgrad epilogue: measured slower, so not by default);
 - ``dW1 = xp^T dg`` with xp gathered again from x; ``dx`` sums
   ``dg W1^T`` over each token's copies.
 
@@ -141,13 +143,14 @@ class FusedExpertsFunction(torch.autograd.Function):
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         needs = ctx.needs_input_grad
         dy_u = _gather(plan, dout.to(dtype).contiguous(), row_id_map)
-        dh_u = torch.ops.moe_grouped.grouped_dgrad(dy_u, w2, m_splits, dtype, gemm)
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
-        dprob = g.new_empty(g.shape[0], dtype=acc)
-        # In place: g becomes dg, dh_u becomes w * h (fc2's wgrad operand).
-        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, w, m_splits, dprob, plan.activation_backend)
-        dg, wh = g, dh_u
-        del g, dh_u
+        # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
+        # wh = w * h is fc2's wgrad operand.
+        wh, dprob = torch.ops.moe_grouped.grouped_dgrad_swiglu_(
+            dy_u, w2, m_splits, g, w, gemm, plan.activation_backend
+        )
+        dg = g
+        del g
         fc2_needed = any(needs[7 + plan.num_fc1_weights :])
         w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
         del dy_u, wh

@@ -12,10 +12,9 @@
 // and the router need; no [rows, ffn] h or [rows, hidden] y is kept.
 //
 // Rounding follows the composed torch ops where they store a tensor, as in
-// swiglu.cu (its SwiGLU backward step for step, from dh = T(w * dh_u)):
-//   a     = T(silu(gate))      h = T(a * up)      wh = T(w * h)
-//   dh    = T(w * dh_u)        d_up = T(dh * a)   d_a = T(dh * up)
-//   d_gate = T(d_a * s * (1 + gate * (1 - s))),   s = sigmoid(gate)
+// swiglu.cu (its SwiGLU backward step for step, from dh = T(w * dh_u)); the
+// per-element steps are in swiglu_backward_math.cuh, shared with fc2's dgrad
+// epilogue, which fuses this pass (gemm/sm90_swiglu_backward_epilogue.cuh);
 //   dprob = sum over the row of dh_u * h in fp32, in a fixed order (one warp
 //           per row: each lane sums its columns in order, then a butterfly),
 //           so the result is the same on every run.
@@ -29,6 +28,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "activation/swiglu_backward_math.cuh"
 #include "core/elementwise.cuh"
 #include "core/error.h"
 #include "core/setup.cuh"
@@ -50,13 +50,6 @@ __device__ __forceinline__ Pack<T, V> load(const T* p) {
 template <typename T, int V>
 __device__ __forceinline__ void store(T* p, const Pack<T, V>& pack) {
   *reinterpret_cast<Pack<T, V>*>(p) = pack;
-}
-
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
-
-template <typename T>
-__device__ __forceinline__ float round_to(float x) {
-  return to_float(from_float<T>(x));
 }
 
 // The rows that hold real copies: the clamped sum of m_splits, cut at `rows`
@@ -112,18 +105,8 @@ __global__ void __launch_bounds__(kThreads)
       Pack<T, V> d_gate, d_up, weighted;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
-        const float x = to_float(gate.v[j]);
-        const float u = to_float(up.v[j]);
-        const float du = to_float(grad.v[j]);
-        const float a = round_to<T>(x / (1.f + expf(-x)));
-        const float h = round_to<T>(a * u);
-        dot += du * h;
-        weighted.v[j] = from_float<T>(w * h);
-        const float d = round_to<T>(w * du);
-        d_up.v[j] = from_float<T>(d * a);
-        const float d_a = round_to<T>(d * u);
-        const float s = sigmoid(x);
-        d_gate.v[j] = from_float<T>(d_a * s * (1.f + x * (1.f - s)));
+        dot += swiglu_weighted_backward_element<T>(to_float(gate.v[j]), to_float(up.v[j]), to_float(grad.v[j]), w,
+                                                   d_gate.v[j], d_up.v[j], weighted.v[j]);
       }
       store<T, V>(dg + gate_row + col, d_gate);
       store<T, V>(dg + gate_row + ffn + col, d_up);

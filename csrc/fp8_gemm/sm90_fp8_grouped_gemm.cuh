@@ -127,6 +127,7 @@ struct Fp8GroupedGemm {
   // DeepSeek-V2-Lite-like shapes (H100, graphed, top-k splits), 1.00x
   // elsewhere, wgrad 1.00-1.01x. Not used here.
   static constexpr bool kPrebuiltStore = false;
+  static constexpr bool kSwigluBackward = false;  // no SwiGLU-backward epilogue (finish_launch)
   // fprop and dgrad: 128x256 tiles through WideTileMainloop, 1.00-1.11x the
   // 128x128 CUTLASS mainloop on every benchmark shape (H100, fprop up to
   // 1240 TFLOP/s on (8,16384,4096,14336)). wgrad: CUTLASS's mainloop on the

@@ -22,6 +22,16 @@ struct RowGather {
   int64_t cols = 0;
 };
 
+// The fused experts path's SwiGLU backward in a dgrad's epilogue
+// (sm90_swiglu_backward_epilogue.cuh); the dgrad's `out` is then wh [M, K].
+// g NULL: a plain dgrad.
+struct SwigluBackwardOperands {
+  void* g = nullptr;                // [M, 2K]: gate | up in, dg out
+  const float* weights = nullptr;   // [M] or NULL
+  float* partials = nullptr;        // [M, partial_cols] or NULL
+  int64_t partial_cols = 0;
+};
+
 // One grouped GEMM, validated by the API layer.
 struct GroupedGemmCall {
   mg_gemm_kind kind;
@@ -39,6 +49,7 @@ struct GroupedGemmCall {
   bool accumulate;          // wgrad only: dW += instead of dW =
   RowGather gather_a;       // gathered kernels: tokens is then A's source
   RowGather gather_b;       // gathered wgrad: tokens_b is then B's source
+  SwigluBackwardOperands swiglu;  // dgrad with the SwiGLU-backward epilogue
   int sm_count;
   void* workspace;          // at least workspace_bytes(num_groups, sm_count)
   // CUTLASS's own D-map updates inside the kernel instead of the prebuilt
@@ -53,6 +64,7 @@ struct KernelEntry {
   mg_dtype out_dtype;
   TileConfig config;
   bool gathered;  // reads gather_a / gather_b (the others ignore them)
+  bool swiglu_backward;  // dgrad with the SwiGLU-backward epilogue (reads swiglu)
   // Bytes of workspace a call with this kernel uses (argument arrays and
   // CUTLASS's own workspace, each aligned to kWorkspaceAlignment).
   size_t (*workspace_bytes)(int num_groups, int sm_count);
@@ -87,5 +99,10 @@ KernelList sm90_dgrad_fp16_kernels();
 KernelList sm90_wgrad_fp16_kernels();
 KernelList sm90_gathered_fprop_dgrad_bf16_kernels();
 KernelList sm90_gathered_wgrad_bf16_kernels();
+KernelList sm90_dgrad_swiglu_bf16_kernels();
+
+// Columns per tile of the SwiGLU-backward dgrad kernels: its per-row partial
+// sums come one per tile of this many of the K columns.
+constexpr int64_t kSwigluBackwardTileColumns = 256;
 
 }  // namespace moe_grouped::gemm

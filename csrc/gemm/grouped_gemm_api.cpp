@@ -41,19 +41,26 @@ const KernelList& all_kernels(int index) {
   static const KernelList lists[] = {
       sm90_fprop_bf16_kernels(), sm90_dgrad_bf16_kernels(), sm90_wgrad_bf16_kernels(),
       sm90_fprop_fp16_kernels(), sm90_dgrad_fp16_kernels(), sm90_wgrad_fp16_kernels(),
-      sm90_gathered_fprop_dgrad_bf16_kernels(), sm90_gathered_wgrad_bf16_kernels()};
+      sm90_gathered_fprop_dgrad_bf16_kernels(), sm90_gathered_wgrad_bf16_kernels(),
+      sm90_dgrad_swiglu_bf16_kernels()};
   return lists[index];
 }
-constexpr int kKernelLists = 8;
+constexpr int kKernelLists = 9;
+
+// Which kernel family a call needs besides its kind and dtypes.
+struct Variant {
+  bool gathered = false;
+  bool swiglu_backward = false;
+};
 
 const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_dtype,
-                               TileConfig config, bool gathered) {
+                               TileConfig config, Variant variant) {
   for (int l = 0; l < kKernelLists; ++l) {
     const KernelList& list = all_kernels(l);
     for (int i = 0; i < list.count; ++i) {
       const KernelEntry& e = list.entries[i];
       if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype && e.config == config &&
-          e.gathered == gathered) {
+          e.gathered == variant.gathered && e.swiglu_backward == variant.swiglu_backward) {
         return &e;
       }
     }
@@ -63,7 +70,7 @@ const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_d
 
 // Workspace for any kernel of (kind, dtype): the largest of them, so that
 // the size does not depend on the output dtype, the tile configuration or
-// whether the call gathers.
+// the variant (gathered, SwiGLU backward).
 size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sms) {
   size_t bytes = 0;
   for (int l = 0; l < kKernelLists; ++l) {
@@ -79,7 +86,7 @@ size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sm
 }
 
 mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype out_dtype,
-                        bool gathered, const KernelEntry** out) {
+                        Variant variant, const KernelEntry** out) {
   GemmShape shape{kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
   TileConfig config = choose_tile_config(shape);
   if (const char* forced = std::getenv(kTileEnv); forced != nullptr && forced[0] != '\0') {
@@ -88,11 +95,16 @@ mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype
                   kTileEnv, forced, tile_config_name(TileConfig::kCoop128x256));
     }
   }
-  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config, gathered);
-  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256, gathered);
+  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config, variant);
+  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256, variant);
+  // The SwiGLU-backward dgrad is built on one tile only.
+  if (entry == nullptr && variant.swiglu_backward) {
+    entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256NoCluster, variant);
+  }
   if (entry == nullptr) {
-    return fail(MG_ERROR_UNSUPPORTED, "no %sgrouped %s kernel is built for %s operands and %s output",
-                gathered ? "gathered " : "", kind_name(kind), dtype_name(p->dtype), dtype_name(out_dtype));
+    return fail(MG_ERROR_UNSUPPORTED, "no %sgrouped %s%s kernel is built for %s operands and %s output",
+                variant.gathered ? "gathered " : "", kind_name(kind),
+                variant.swiglu_backward ? " (SwiGLU backward)" : "", dtype_name(p->dtype), dtype_name(out_dtype));
   }
   *out = entry;
   return MG_OK;
@@ -105,8 +117,10 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   int sms = 0;
   MG_RETURN_IF_ERROR(sm_count(p->device, &sms));
   const KernelEntry* entry = nullptr;
-  const bool gathered = call.gather_a.index != nullptr || call.gather_b.index != nullptr;
-  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, gathered, &entry));
+  Variant variant;
+  variant.gathered = call.gather_a.index != nullptr || call.gather_b.index != nullptr;
+  variant.swiglu_backward = call.swiglu.g != nullptr;
+  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, variant, &entry));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   size_t bytes = workspace_bytes(call.kind, p->dtype, p->num_groups, sms);
   void* workspace = nullptr;
@@ -276,6 +290,49 @@ mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const void* dy,
   call.weight = dw;
   call.accumulate = accumulate != 0;
   return run_gemm(p, call, dw_dtype, stream);
+}
+
+mg_status mg_grouped_dgrad_swiglu_partial_cols(int64_t k, int64_t* out_cols) {
+  const char* op = "mg_grouped_dgrad_swiglu_partial_cols";
+  if (out_cols == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: out_cols must not be NULL", op);
+  if (k < 0) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: k must be >= 0, got %lld", op, static_cast<long long>(k));
+  *out_cols = (k + kSwigluBackwardTileColumns - 1) / kSwigluBackwardTileColumns;
+  return ok();
+}
+
+mg_status mg_grouped_dgrad_swiglu(const mg_grouped_problem* p, const void* dy, mg_group_operand weight, void* g,
+                                  const float* weights, void* wh, float* dprob_partials, int64_t partial_cols,
+                                  void* stream) {
+  const char* op = "mg_grouped_dgrad_swiglu";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  if (p->dtype != MG_BFLOAT16) {
+    return fail(MG_ERROR_UNSUPPORTED, "%s: built for bf16 operands, got %s", op, dtype_name(p->dtype));
+  }
+  const bool empty = p->total_rows == 0;
+  MG_RETURN_IF_ERROR(check_aligned(op, "dy", dy, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "g", g, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "wh", wh, empty));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  if (weights != nullptr && reinterpret_cast<uintptr_t>(weights) % alignof(float) != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: weights must be 4-byte aligned", op);
+  }
+  int64_t cols = 0;
+  MG_RETURN_IF_ERROR(mg_grouped_dgrad_swiglu_partial_cols(p->k, &cols));
+  if (dprob_partials != nullptr && partial_cols != cols) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: dprob_partials needs %lld columns for k = %lld, got %lld", op,
+                static_cast<long long>(cols), static_cast<long long>(p->k), static_cast<long long>(partial_cols));
+  }
+  if (dprob_partials != nullptr && reinterpret_cast<uintptr_t>(dprob_partials) % alignof(float) != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: dprob_partials must be 4-byte aligned", op);
+  }
+  if (empty) return ok();
+  GroupedGemmCall call{};
+  call.kind = MG_GEMM_DGRAD;
+  call.tokens = dy;
+  call.weight = weight;
+  call.out = wh;
+  call.swiglu = SwigluBackwardOperands{g, weights, dprob_partials, cols};
+  return run_gemm(p, call, p->dtype, stream);
 }
 
 mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy, void* dbias,

@@ -108,12 +108,23 @@ struct LayoutTraits<MG_GEMM_WGRAD> {
 template <class Base>
 struct GatherMainloop;
 
+// The SwiGLU-backward dgrad epilogue (sm90_swiglu_backward_epilogue.cuh,
+// which its translation unit includes; the others need only its name).
+template <class Base, class Element>
+struct SwigluBackwardEpilogue;
+
 // Gathered: the mainloop may read A and (wgrad) B through a row index; the
-// index pointers come with each call.
-template <mg_gemm_kind Kind, mg_dtype Dtype, mg_dtype OutDtype, TileConfig Config, bool Gathered = false>
+// index pointers come with each call. SwigluBackward (dgrad only): the
+// epilogue applies the fused experts path's weighted SwiGLU backward to the
+// accumulators instead of storing D (the operands come with each call).
+template <mg_gemm_kind Kind, mg_dtype Dtype, mg_dtype OutDtype, TileConfig Config, bool Gathered = false,
+          bool SwigluBackward = false>
 struct GroupedGemm {
+  static_assert(!SwigluBackward || (Kind == MG_GEMM_DGRAD && OutDtype == Dtype && !Gathered),
+                "the SwiGLU-backward epilogue is a 16-bit dgrad's, into its operand dtype");
   static constexpr mg_gemm_kind kKind = Kind;
   static constexpr bool kGathered = Gathered;
+  static constexpr bool kSwigluBackward = SwigluBackward;
   static constexpr mg_dtype kDtype = Dtype;
   static constexpr mg_dtype kOutDtype = OutDtype;
   static constexpr TileConfig kConfig = Config;
@@ -154,9 +165,11 @@ struct GroupedGemm {
       typename Tiles::Cluster, typename Tiles::EpilogueTile,
       ElementAccumulator, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename Tiles::Epilogue, Fusion>::CollectiveOp;
-  // D through one prebuilt tensor map per group (sm90_prebuilt_store_epilogue.cuh).
-  static constexpr bool kPrebuiltStore = true;
-  using CollectiveEpilogue = PrebuiltStoreEpilogue<BuiltEpilogue>;
+  // D through one prebuilt tensor map per group (sm90_prebuilt_store_epilogue.cuh),
+  // unless the SwiGLU backward stores everything itself.
+  static constexpr bool kPrebuiltStore = !SwigluBackward;
+  using CollectiveEpilogue = std::conditional_t<SwigluBackward, SwigluBackwardEpilogue<BuiltEpilogue, Element>,
+                                                PrebuiltStoreEpilogue<BuiltEpilogue>>;
 
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlignAB, Element,
@@ -420,6 +433,11 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
   if constexpr (G::kPrebuiltStore) {
     args.epilogue.store_descriptors = call.in_kernel_store_maps ? nullptr : w.store_descriptors;
   }
+  if constexpr (G::kSwigluBackward) {
+    using Element = typename G::Element;
+    args.epilogue.swiglu = {static_cast<Element*>(call.swiglu.g), static_cast<Element*>(call.out),
+                            call.swiglu.weights, call.swiglu.partials, call.swiglu.partial_cols, w.offsets};
+  }
   if constexpr (G::kKind == MG_GEMM_FPROP) {
     using ElementBias = typename G::ElementBias;
     args.epilogue.thread = {{}, {call.bias != nullptr ? w.ptr_bias : nullptr, ElementBias(0), {}}, {}};
@@ -490,7 +508,8 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
 
 template <class G>
 constexpr KernelEntry entry() {
-  return KernelEntry{G::kKind, G::kDtype, G::kOutDtype, G::kConfig, G::kGathered, &workspace_bytes<G>, &run<G>};
+  return KernelEntry{G::kKind,     G::kDtype,          G::kOutDtype,        G::kConfig,
+                     G::kGathered, G::kSwigluBackward, &workspace_bytes<G>, &run<G>};
 }
 
 }  // namespace moe_grouped::gemm::sm90

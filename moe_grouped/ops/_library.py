@@ -101,6 +101,43 @@ def _(dy, weights, m_splits, out_dtype, backend):
     return dy.new_empty(dy.shape[0], weights[0].shape[-1], dtype=out_dtype)
 
 
+@torch.library.custom_op("moe_grouped::grouped_dgrad_swiglu_", mutates_args=("g",))
+def grouped_dgrad_swiglu_(
+    dy: torch.Tensor,
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+    g: torch.Tensor,
+    routing_weights: Optional[torch.Tensor],
+    backend: str,
+    activation_backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc2's dgrad ``dh_u = dy W`` then the weighted SwiGLU backward: ``g`` becomes dg; returns (wh, dprob).
+
+    The fused experts path's backward through fc2 and SwiGLU (see
+    ``moe_grouped.activation.swiglu_weighted_backward`` for the three
+    results): the dgrad on ``backend`` followed by the pass on
+    ``activation_backend``, or, with MOE_GROUPED_DGRAD_SWIGLU=fused on the
+    ``cuda`` backends in bf16, one kernel that never stores dh_u
+    (``mg_grouped_dgrad_swiglu``; measured slower, see cuda_backend).
+    """
+    with nvtx.range(f"moe_grouped.dgrad_swiglu[{backend}]"):
+        if backend == "cuda" and activation_backend == "cuda" and cuda_backend.dgrad_swiglu_fuses(dy, g):
+            return cuda_backend.dgrad_swiglu(dy, weights, m_splits, g, routing_weights)
+        dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype)
+        dprob = g.new_empty(g.shape[0], dtype=_accumulation_dtype(g.dtype))
+        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
+        return dh_u, dprob
+
+
+@grouped_dgrad_swiglu_.register_fake
+def _(dy, weights, m_splits, g, routing_weights, backend, activation_backend):
+    return dy.new_empty(dy.shape[0], weights[0].shape[-1]), g.new_empty(g.shape[0], dtype=_accumulation_dtype(g.dtype))
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @torch.library.custom_op("moe_grouped::grouped_wgrad_", mutates_args=("out",))
 def grouped_wgrad_(
     dy: torch.Tensor,

@@ -19,6 +19,7 @@ Rules the core enforces (it raises ``ValueError`` otherwise):
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -223,6 +224,68 @@ def wgrad(
             _core.stream_handle(dy.device),
         )
     )
+
+
+# ---- fc2's dgrad with the weighted SwiGLU backward in its epilogue ----------
+
+# "fused" runs fc2's dgrad and the weighted SwiGLU backward as one kernel;
+# the default, "unfused", runs the plain dgrad and the standalone pass, which
+# measured about twice as fast (csrc/gemm/sm90_swiglu_backward_epilogue.cuh).
+# Same dg and wh either way, bitwise.
+DGRAD_SWIGLU_ENV = "MOE_GROUPED_DGRAD_SWIGLU"
+
+
+def dgrad_swiglu_fuses(dy: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the op runs :func:`dgrad_swiglu` here (asked for, bf16, a core that has it)."""
+    setting = os.environ.get(DGRAD_SWIGLU_ENV, "unfused")
+    if setting not in ("fused", "unfused"):
+        raise ValueError(f"{DGRAD_SWIGLU_ENV}={setting!r}: expected 'fused' or 'unfused'")
+    return (
+        setting == "fused" and dy.dtype == torch.bfloat16 and g.dtype == torch.bfloat16
+        and _core.has(_core.CAP_DGRAD_SWIGLU) and hasattr(_core.lib, "mg_grouped_dgrad_swiglu")
+    )
+
+
+def dgrad_swiglu(
+    dy: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    m_splits: torch.Tensor,
+    g: torch.Tensor,
+    routing_weights: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel: ``dh_u = dy W`` (not stored), then g -> dg in place; returns ``(wh, dprob)``.
+
+    See ``mg_grouped_dgrad_swiglu``: dg and wh are bitwise the plain dgrad
+    followed by the weighted SwiGLU backward; dprob sums the same products
+    per 256-column tile, then over the tiles. Rows past the sum of m_splits:
+    dprob 0, g and wh not written.
+    """
+    lib = _core.require()
+    num_groups, n, k = _matrix_shape(weights)
+    dy = dy.contiguous()
+    _require_contiguous("g", g)
+    rows = dy.shape[0]
+    wh = torch.empty(rows, k, dtype=dy.dtype, device=dy.device)
+    cols = ctypes.c_int64()
+    _core.check(lib.mg_grouped_dgrad_swiglu_partial_cols(k, ctypes.byref(cols)))
+    partials = torch.zeros(rows, cols.value, dtype=torch.float32, device=dy.device)
+    if routing_weights is not None:
+        routing_weights = routing_weights.contiguous()
+    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    _core.check(
+        lib.mg_grouped_dgrad_swiglu(
+            ctypes.byref(problem),
+            dy.data_ptr(),
+            _operand(weights),
+            g.data_ptr(),
+            routing_weights.data_ptr() if routing_weights is not None else None,
+            wh.data_ptr(),
+            partials.data_ptr(),
+            cols.value,
+            _core.stream_handle(dy.device),
+        )
+    )
+    return wh, partials.sum(dim=1)
 
 
 # ---- gathered GEMMs: token rows read through the routing index -------------

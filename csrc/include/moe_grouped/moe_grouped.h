@@ -88,6 +88,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_FP8_QUANTIZE 16u
 #define MG_CAP_SWIGLU 32u
 #define MG_CAP_GATHERED_GEMM 64u
+#define MG_CAP_DGRAD_SWIGLU 128u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -206,6 +207,27 @@ MG_API mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const vo
                                            const mg_row_gather* dy_rows, const void* x,
                                            const mg_row_gather* x_rows, mg_group_operand dw,
                                            mg_dtype dw_dtype, int accumulate, void* stream);
+
+/* ---- fc2's dgrad with the weighted SwiGLU backward (bf16) -----------------
+ * The fused MoE experts path's backward through fc2 and SwiGLU in one kernel
+ * (MG_CAP_DGRAD_SWIGLU): dh_u = dy . W (dgrad, [M, K], K = the experts' ffn)
+ * is not stored; per row r < sum(m_splits) and column c < K, with
+ * [gate | up] = g[r] ([M, 2K], fc1's output) and h = silu(gate) * up:
+ *   g[r]  <- dg[r], the SwiGLU backward of weights[r] * dh_u[r] (in place);
+ *   wh[r] <- weights[r] * h  ([M, K]);
+ *   dprob_partials[r, t] <- sum of dh_u[r, c] * h[c] over the columns c of
+ *     tile t (fp32; dprob_r = <dh_u[r], h> is the sum over t, in t order).
+ * Elementwise results are bitwise those of mg_grouped_dgrad (dx_dtype bf16)
+ * followed by mg_swiglu_weighted_backward. weights: [M] fp32 or NULL (1);
+ * dprob_partials: [M, partial_cols] fp32 or NULL, partial_cols from
+ * mg_grouped_dgrad_swiglu_partial_cols. Rows at or past sum(m_splits) are
+ * not written. Workspace as mg_grouped_gemm_workspace_size(MG_GEMM_DGRAD). */
+MG_API mg_status mg_grouped_dgrad_swiglu(const mg_grouped_problem* p, const void* dy,
+                                         mg_group_operand weight, void* g, const float* weights,
+                                         void* wh, float* dprob_partials, int64_t partial_cols,
+                                         void* stream);
+/* The column tiles over k (the dgrad's K, the experts' ffn) of the partials. */
+MG_API mg_status mg_grouped_dgrad_swiglu_partial_cols(int64_t k, int64_t* out_cols);
 
 /* ---- FP8 block quantization (1x128 and 128x128) ----------------------------
  * Scales follow TransformerEngine's block-scaling rules: per block
