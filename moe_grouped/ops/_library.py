@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .. import _core
+from ..activation import _accumulation_dtype  # also registers swiglu_weighted_backward_, which dgrad_swiglu_ runs
 from ..graphs import nvtx
 from . import cuda_backend, reference_backend, torch_backend
 from .common import gather_rows, gathered_operands, num_groups_of, offsets_with_zero
@@ -132,10 +133,6 @@ def grouped_dgrad_swiglu_(
 @grouped_dgrad_swiglu_.register_fake
 def _(dy, weights, m_splits, g, routing_weights, backend, activation_backend):
     return dy.new_empty(dy.shape[0], weights[0].shape[-1]), g.new_empty(g.shape[0], dtype=_accumulation_dtype(g.dtype))
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @torch.library.custom_op("moe_grouped::grouped_wgrad_", mutates_args=("out",))
