@@ -25,16 +25,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 20;  // grid-stride beyond this
 
-template <typename T, int V>
-__device__ __forceinline__ Pack<T, V> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, V>*>(p);
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store(T* p, const Pack<T, V>& pack) {
-  *reinterpret_cast<Pack<T, V>*>(p) = pack;
-}
-
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // The stored silu(gate), rounded like torch's silu output.
@@ -62,14 +52,14 @@ __global__ void __launch_bounds__(kThreads)
     swiglu_forward_kernel(const T* __restrict__ h, int64_t rows, int64_t ffn, T* __restrict__ y) {
   for_each_pack<V>(rows, ffn, [&](int64_t row, int64_t col) {
     const T* gate_ptr = h + row * 2 * ffn + col;
-    const Pack<T, V> gate = load<T, V>(gate_ptr);
-    const Pack<T, V> up = load<T, V>(gate_ptr + ffn);
+    const Pack<T, V> gate = load_pack<T, V>(gate_ptr);
+    const Pack<T, V> up = load_pack<T, V>(gate_ptr + ffn);
     Pack<T, V> out;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       out.v[j] = from_float<T>(silu_stored<T>(to_float(gate.v[j])) * to_float(up.v[j]));
     }
-    store<T, V>(y + row * ffn + col, out);
+    store_pack<T, V>(y + row * ffn + col, out);
   });
 }
 
@@ -79,9 +69,9 @@ __global__ void __launch_bounds__(kThreads)
                            T* __restrict__ dh) {
   for_each_pack<V>(rows, ffn, [&](int64_t row, int64_t col) {
     const int64_t gate_at = row * 2 * ffn + col;
-    const Pack<T, V> grad = load<T, V>(dy + row * ffn + col);
-    const Pack<T, V> gate = load<T, V>(h + gate_at);
-    const Pack<T, V> up = load<T, V>(h + gate_at + ffn);
+    const Pack<T, V> grad = load_pack<T, V>(dy + row * ffn + col);
+    const Pack<T, V> gate = load_pack<T, V>(h + gate_at);
+    const Pack<T, V> up = load_pack<T, V>(h + gate_at + ffn);
     Pack<T, V> d_gate, d_up;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
@@ -92,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
       const float s = sigmoid(g);
       d_gate.v[j] = from_float<T>(d_a * s * (1.f + g * (1.f - s)));
     }
-    store<T, V>(dh + gate_at, d_gate);
-    store<T, V>(dh + gate_at + ffn, d_up);
+    store_pack<T, V>(dh + gate_at, d_gate);
+    store_pack<T, V>(dh + gate_at + ffn, d_up);
   });
 }
 

@@ -42,16 +42,6 @@ constexpr int kRowsPerBlock = kThreads / kWarpSize;  // one warp per row
 // Each block sums m_splits once; a grid-stride loop bounds that redundancy.
 constexpr int64_t kMaxBlocks = 4096;
 
-template <typename T, int V>
-__device__ __forceinline__ Pack<T, V> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, V>*>(p);
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store(T* p, const Pack<T, V>& pack) {
-  *reinterpret_cast<Pack<T, V>*>(p) = pack;
-}
-
 // The rows that hold real copies: the clamped sum of m_splits, cut at `rows`
 // (offsets[num_groups] of the setup kernel). No m_splits: every row.
 template <typename SplitT>
@@ -89,9 +79,9 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < V; ++j) zero.v[j] = from_float<T>(0.f);
       for (int64_t col = static_cast<int64_t>(lane) * V; col < ffn; col += kWarpSize * V) {
-        store<T, V>(dg + gate_row + col, zero);
-        store<T, V>(dg + gate_row + ffn + col, zero);
-        store<T, V>(wh + half_row + col, zero);
+        store_pack<T, V>(dg + gate_row + col, zero);
+        store_pack<T, V>(dg + gate_row + ffn + col, zero);
+        store_pack<T, V>(wh + half_row + col, zero);
       }
       if (dprob != nullptr && lane == 0) dprob[row] = 0.f;
       continue;
@@ -99,18 +89,18 @@ __global__ void __launch_bounds__(kThreads)
     const float w = weights != nullptr ? weights[row] : 1.f;
     float dot = 0.f;
     for (int64_t col = static_cast<int64_t>(lane) * V; col < ffn; col += kWarpSize * V) {
-      const Pack<T, V> gate = load<T, V>(g + gate_row + col);
-      const Pack<T, V> up = load<T, V>(g + gate_row + ffn + col);
-      const Pack<T, V> grad = load<T, V>(dh_u + half_row + col);
+      const Pack<T, V> gate = load_pack<T, V>(g + gate_row + col);
+      const Pack<T, V> up = load_pack<T, V>(g + gate_row + ffn + col);
+      const Pack<T, V> grad = load_pack<T, V>(dh_u + half_row + col);
       Pack<T, V> d_gate, d_up, weighted;
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         dot += swiglu_weighted_backward_element<T>(to_float(gate.v[j]), to_float(up.v[j]), to_float(grad.v[j]), w,
                                                    d_gate.v[j], d_up.v[j], weighted.v[j]);
       }
-      store<T, V>(dg + gate_row + col, d_gate);
-      store<T, V>(dg + gate_row + ffn + col, d_up);
-      store<T, V>(wh + half_row + col, weighted);
+      store_pack<T, V>(dg + gate_row + col, d_gate);
+      store_pack<T, V>(dg + gate_row + ffn + col, d_up);
+      store_pack<T, V>(wh + half_row + col, weighted);
     }
     if (dprob != nullptr) {
 #pragma unroll

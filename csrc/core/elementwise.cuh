@@ -17,6 +17,17 @@ struct alignas(sizeof(T) * V) Pack {
   T v[V];
 };
 
+// The pack at p (aligned to the pack's size).
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, V>& pack) {
+  *reinterpret_cast<Pack<T, V>*>(p) = pack;
+}
+
 // 16-byte accesses when the row length (`row_elements` of T) and every base
 // address allow them; NULL pointers (absent operands) do not count.
 template <typename T>

@@ -43,6 +43,7 @@
 #include <cstdint>
 
 #include "activation/swiglu_backward_math.cuh"
+#include "core/elementwise.cuh"
 
 namespace moe_grouped::gemm::sm90 {
 
@@ -157,18 +158,18 @@ struct SwigluBackwardEpilogue : Base {
       for (int c = 0; c < size<1>(acc); c += 2) {
         const int col = col0 + static_cast<int>(get<1>(crd(r, c)));
         if (row_ok && col < ffn) {  // ffn is a multiple of 8 and col even: col + 1 < ffn too
-          const Pair<T> gate = load_pair(g_row + col);
-          const Pair<T> up = load_pair(g_row + ffn + col);
-          Pair<T> d_gate, d_up, weighted;
+          const Pack<T, 2> gate = load_pack<T, 2>(g_row + col);
+          const Pack<T, 2> up = load_pack<T, 2>(g_row + ffn + col);
+          Pack<T, 2> d_gate, d_up, weighted;
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < 2; ++j) {
             const float du = round_through<T>(acc(r, c + j));
             dot += swiglu_weighted_backward_element<T>(to_float(gate.v[j]), to_float(up.v[j]), du, w, d_gate.v[j],
                                                        d_up.v[j], weighted.v[j]);
           }
-          store_pair(g_row + col, d_gate);
-          store_pair(g_row + ffn + col, d_up);
-          store_pair(wh_row + col, weighted);
+          store_pack<T, 2>(g_row + col, d_gate);
+          store_pack<T, 2>(g_row + ffn + col, d_up);
+          store_pack<T, 2>(wh_row + col, weighted);
         }
       }
       // A row's columns of the tile are spread over the four lanes of a quad
@@ -183,19 +184,6 @@ struct SwigluBackwardEpilogue : Base {
   }
 
  private:
-  template <class T>
-  struct alignas(2 * sizeof(T)) Pair {
-    T v[2];
-  };
-  template <class T>
-  CUTLASS_DEVICE static Pair<T> load_pair(const T* p) {
-    return *reinterpret_cast<const Pair<T>*>(p);
-  }
-  template <class T>
-  CUTLASS_DEVICE static void store_pair(T* p, const Pair<T>& pair) {
-    *reinterpret_cast<Pair<T>*>(p) = pair;
-  }
-
   SwigluBackwardArguments<Element> args_;
 };
 
