@@ -53,13 +53,16 @@ struct Variant {
   bool swiglu_backward = false;
 };
 
+// The built kernel of this kind, dtypes, configuration and variant; config
+// TileConfig::kCount takes the first configuration built for the rest.
 const KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype dtype, mg_dtype out_dtype,
                                TileConfig config, Variant variant) {
   for (int l = 0; l < kKernelLists; ++l) {
     const KernelList& list = all_kernels(l);
     for (int i = 0; i < list.count; ++i) {
       const KernelEntry& e = list.entries[i];
-      if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype && e.config == config &&
+      if (e.kind == kind && e.dtype == dtype && e.out_dtype == out_dtype &&
+          (config == TileConfig::kCount || e.config == config) &&
           e.gathered == variant.gathered && e.swiglu_backward == variant.swiglu_backward) {
         return &e;
       }
@@ -97,10 +100,7 @@ mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype
   }
   const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config, variant);
   if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256, variant);
-  // The SwiGLU-backward dgrad is built on one tile only.
-  if (entry == nullptr && variant.swiglu_backward) {
-    entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256NoCluster, variant);
-  }
+  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCount, variant);
   if (entry == nullptr) {
     return fail(MG_ERROR_UNSUPPORTED, "no %sgrouped %s%s kernel is built for %s operands and %s output",
                 variant.gathered ? "gathered " : "", kind_name(kind),

@@ -13,8 +13,9 @@ namespace moe_grouped::gemm {
 // The configurations compiled into the core. Not every configuration exists
 // for every (kind, dtype, output dtype): the kernel table in
 // grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
-// for all of them; a configuration that is not built for a call falls back
-// to it. Ping-pong 128x128, ping-pong 64x256, cooperative 128x128,
+// for all of them but the SwiGLU-backward dgrad (built on one tile); a
+// configuration that is not built for a call falls back to kCoop128x256, or
+// where that is missing too, to the first one built. Ping-pong 128x128, ping-pong 64x256, cooperative 128x128,
 // cooperative 128x256 with a 1x2 cluster, cooperative 256x128 with a 1x2
 // cluster and, for fprop/dgrad, 128x64 epilogue pieces were built, measured
 // and dropped (see heuristic.cpp).
