@@ -242,7 +242,7 @@ def dgrad_swiglu_fuses(dy: torch.Tensor, g: torch.Tensor) -> bool:
         raise ValueError(f"{DGRAD_SWIGLU_ENV}={setting!r}: expected 'fused' or 'unfused'")
     return (
         setting == "fused" and dy.dtype == torch.bfloat16 and g.dtype == torch.bfloat16
-        and _core.has(_core.CAP_DGRAD_SWIGLU) and hasattr(_core.lib, "mg_grouped_dgrad_swiglu")
+        and _core.has(_core.CAP_DGRAD_SWIGLU)
     )
 
 
