@@ -251,6 +251,17 @@ _PROTOTYPES = {
         ctypes.c_int,
         [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, _vp, _vp, _vp],
     ),
+    "mg_route_softmax_partial_rows": (ctypes.c_int, [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]),
+    "mg_route_softmax": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, _vp, _vp, _vp, _vp,
+         _vp, _vp, _vp],
+    ),
+    "mg_route_softmax_backward": (
+        ctypes.c_int,
+        [_vp, _vp, _vp, _vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, _vp, _vp,
+         _vp, ctypes.c_int, _vp, _vp],
+    ),
     "mg_permute_rows": (
         ctypes.c_int,
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, _vp, _vp, _vp],

@@ -24,6 +24,12 @@ never see it. :meth:`Router.update_bias` moves the bias against the load.
 ``n_group`` expert groups (DeepSeek-V3: a group's score is the sum of its two
 best selection scores). ``scaling_factor`` multiplies the final weights
 (DeepSeek-V3's ``routed_scaling_factor``).
+
+Softmax routers without expert bias or group limit, on bf16 CUDA tokens,
+run everything after the gate GEMM (choice, weights, both losses, and their
+backward) in two core kernels (:mod:`moe_grouped.router_softmax`); the
+others compose torch ops. Both give the same choice, and weights and losses
+equal up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, router_softmax
 from .router_gemm import router_logits
 from .router_topk import choose_experts, tokens_per_expert  # noqa: F401 (tokens_per_expert: public here)
 
@@ -210,6 +216,12 @@ class Router(nn.Module):
         if x.shape[1] != self.hidden:
             raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
         _checks.check_same_device("the router's weight", self.weight, x=x)
+        mode = self._fused_mode(x)
+        if mode is not None:
+            weights, experts, counts, aux_loss, z_loss_, logits = router_softmax.route(
+                x, self.weight, self.top_k, mode, self.scaling_factor
+            )
+            return RoutingOutput(weights, experts, counts, aux_loss, z_loss_, logits)
         logits = router_logits(x, self.weight)
         weights, experts, counts, probs = self._select(logits)
         if self.tokens_since_update is not None and self.training and not _recomputing():
@@ -223,6 +235,15 @@ class Router(nn.Module):
             z_loss=z_loss(logits),
             logits=logits,
         )
+
+    def _fused_mode(self, x: torch.Tensor) -> Optional[int]:
+        """The softmax kernels' weights mode for this router and input, None when they do not apply."""
+        if self.score_function != "softmax" or self.expert_bias is not None or self.n_group is not None:
+            return None
+        if not router_softmax.applies(x, self.weight, self.top_k):
+            return None
+        chosen = self.topk_before_softmax or self.normalize_topk
+        return router_softmax.SOFTMAX_CHOSEN if chosen else router_softmax.SOFTMAX_ALL
 
     def _select(self, logits: torch.Tensor):
         """(weights [T, k], experts [T, k], copies per expert [E], probabilities over all experts [T, E])."""

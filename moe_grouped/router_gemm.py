@@ -58,11 +58,18 @@ class _BF16GateLogits(torch.autograd.Function):
     def backward(ctx, grad_logits: torch.Tensor):
         x, weight = ctx.saved_tensors
         halves = _split_bf16(grad_logits.contiguous())
-        grad_x = grad_weight = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(halves, torch.cat([weight, weight], dim=0))
-        if ctx.needs_input_grad[1]:
-            both = torch.mm(halves.t(), x, out_dtype=torch.float32)
-            num_experts = weight.shape[0]
-            grad_weight = (both[:num_experts] + both[num_experts:]).to(weight.dtype)
-        return grad_x, grad_weight
+        return gate_grads_from_halves(halves, x, weight, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+
+
+def gate_grads_from_halves(halves: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, need_x: bool,
+                           need_weight: bool):
+    """(dx, dW) of ``logits = x W^T`` (None where not needed) from the logits'
+    gradient as the bf16 halves ``[hi | lo]`` [T, 2E] of :func:`_split_bf16`."""
+    grad_x = grad_weight = None
+    if need_x:
+        grad_x = torch.mm(halves, torch.cat([weight, weight], dim=0))
+    if need_weight:
+        both = torch.mm(halves.t(), x, out_dtype=torch.float32)
+        num_experts = weight.shape[0]
+        grad_weight = (both[:num_experts] + both[num_experts:]).to(weight.dtype)
+    return grad_x, grad_weight

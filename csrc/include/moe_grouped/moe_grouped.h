@@ -394,6 +394,37 @@ MG_API mg_status mg_permute_index_capacity(const void* experts, mg_dtype experts
  * 1 <= num_experts <= 1024, 1 <= top_k <= min(num_experts, 32).          */
 MG_API mg_status mg_route_topk(const float* scores, int64_t num_tokens, int num_experts, int top_k,
                                int64_t* experts, int64_t* counts, void* stream);
+/* The softmax router after its gate GEMM (route_softmax.cu), for logits
+ * fp32 [num_tokens, num_experts]: experts and counts as mg_route_topk (the
+ * logits ranked), and
+ *   lse[t] = logsumexp(logits[t, :]);
+ *   weights[t, j] (fp32 [num_tokens, top_k]) = scaling * (CHOSEN: the
+ *     softmax over the token's top_k logits, i.e. topk-then-softmax or
+ *     softmax + renormalised top-k; ALL: the softmax over all experts);
+ *   losses[0] = E * sum_e counts[e] / (T * top_k) * mean_t p[t, e] (the
+ *     load-balancing loss), losses[1] = mean_t lse[t]^2 (the z loss).
+ * partials: fp32 [mg_route_softmax_partial_rows(T), num_experts + 1]
+ * scratch. Deterministic. num_tokens 0: counts and losses are zeros.      */
+#define MG_ROUTE_SOFTMAX_CHOSEN 0
+#define MG_ROUTE_SOFTMAX_ALL 1
+MG_API mg_status mg_route_softmax_partial_rows(int64_t num_tokens, int64_t* out_rows);
+MG_API mg_status mg_route_softmax(const float* logits, int64_t num_tokens, int num_experts,
+                                  int top_k, int weights_mode, float scaling, int64_t* experts,
+                                  int64_t* counts, float* weights, float* lse, float* partials,
+                                  float* losses, void* stream);
+/* Its backward: out = d loss / d logits from grad_weights [T, top_k], the
+ * losses' grad_losses [2] and grad_logits [T, E] (each NULL when it has
+ * no gradient), written as fp32 [T, E] or, out_dtype MG_BFLOAT16, as the
+ * bf16 halves [T, 2E] = [hi | lo] with hi + lo the fp32 value to 16 bits
+ * (what the gate GEMM's backward takes). Same experts, counts and lse as
+ * the forward returned.                                                    */
+MG_API mg_status mg_route_softmax_backward(const float* logits, const float* lse,
+                                           const int64_t* experts, const int64_t* counts,
+                                           int64_t num_tokens, int num_experts, int top_k,
+                                           int weights_mode, float scaling,
+                                           const float* grad_weights, const float* grad_losses,
+                                           const float* grad_logits, mg_dtype out_dtype,
+                                           void* out, void* stream);
 /* permuted[row_id_map[t * top_k + j], :] = x[t, :] for the copies with a
  * row. x and permuted have `dtype` (fp32, fp16 or bf16), hidden columns;
  * rows no copy maps to are left untouched.                                 */

@@ -1,0 +1,109 @@
+// A token's top_k experts chosen by one warp, shared by the router kernels
+// (route_topk.cu: the choice alone; route_softmax.cu: the choice with the
+// softmax weights and losses).
+//
+// Lane l holds experts l, l + 32, ... as 64-bit keys (ordered float bits << 32
+// | ~expert), so the largest key is the largest score and, among equal
+// scores, the lowest expert. top_k rounds of a warp max pick the experts in
+// order: NaN above +inf, as torch.topk ranks it; -0 equals +0 (a tie, so the
+// lower expert wins, as in a stable sort).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "core/error.h"
+
+namespace moe_grouped::route {
+
+constexpr int kLanes = 32;
+constexpr int kMaxExperts = 1024;  // 32 keys per lane
+constexpr int kMaxTopK = 32;       // one choice per lane
+
+__device__ inline uint32_t ordered_bits(float score) {
+  if (score != score) return 0xffffffffu;
+  if (score == 0.f) return 0x80000000u;
+  const uint32_t bits = __float_as_uint(score);
+  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+__device__ inline uint64_t warp_max(uint64_t value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const uint64_t other = __shfl_xor_sync(0xffffffffu, value, offset);
+    value = other > value ? other : value;
+  }
+  return value;
+}
+
+__device__ inline float warp_max(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// The same butterfly on every lane, so every lane gets the same bits.
+__device__ inline float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffffu, value, offset);
+  return value;
+}
+
+// Lane j < top_k gets the token's j-th expert, the others -1. `scores[i]` is
+// expert lane + 32 * i (ignored past num_experts).
+template <int kPerLane>
+__device__ inline int choose_topk(const float (&scores)[kPerLane], int num_experts, int top_k, int lane) {
+  uint64_t keys[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + kLanes * i;
+    // An absent expert is key 0: below every score (-inf is 0x007fffff << 32).
+    keys[i] = e < num_experts
+                  ? (static_cast<uint64_t>(ordered_bits(scores[i])) << 32) | (0xffffffffu - static_cast<uint32_t>(e))
+                  : 0;
+  }
+  int chosen = -1;
+  for (int j = 0; j < top_k; ++j) {
+    uint64_t best = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) best = keys[i] > best ? keys[i] : best;
+    best = warp_max(best);
+    const int e = static_cast<int>(0xffffffffu - static_cast<uint32_t>(best));
+    if (lane == e % kLanes) {
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) {
+        if (keys[i] == best) keys[i] = 0;
+      }
+    }
+    if (lane == j) chosen = e;
+  }
+  return chosen;
+}
+
+// Calls launch(std::integral_constant<int, kPerLane>{}) with kPerLane =
+// ceil(num_experts / 32) rounded up to a power of two.
+template <class Launch>
+void dispatch_per_lane(int num_experts, Launch&& launch) {
+  const int per_lane = (num_experts + kLanes - 1) / kLanes;
+  if (per_lane <= 1) launch(std::integral_constant<int, 1>{});
+  else if (per_lane <= 2) launch(std::integral_constant<int, 2>{});
+  else if (per_lane <= 4) launch(std::integral_constant<int, 4>{});
+  else if (per_lane <= 8) launch(std::integral_constant<int, 8>{});
+  else if (per_lane <= 16) launch(std::integral_constant<int, 16>{});
+  else launch(std::integral_constant<int, 32>{});
+}
+
+// The argument rules every router entry point shares.
+inline mg_status check_choice(const char* op, int64_t num_tokens, int num_experts, int top_k) {
+  if (num_tokens < 0 || num_experts < 1 || num_experts > kMaxExperts) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: need num_tokens >= 0 and 1 <= num_experts <= %d, got %lld and %d", op,
+                kMaxExperts, static_cast<long long>(num_tokens), num_experts);
+  }
+  if (top_k < 1 || top_k > num_experts || top_k > kMaxTopK) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: need 1 <= top_k <= min(num_experts, %d), got top_k=%d for %d experts",
+                op, kMaxTopK, top_k, num_experts);
+  }
+  return MG_OK;
+}
+
+}  // namespace moe_grouped::route
