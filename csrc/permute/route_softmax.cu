@@ -219,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_backward_kernel(Backwa
       aux_dot += prob[i] * counts[i];
     }
     aux_dot = route::warp_sum(aux_dot);
-    float shared = z_scale * lse - aux_scale * aux_dot;  // times p_te, for every expert
+    float spread = z_scale * lse - aux_scale * aux_dot;  // times p_te, on every expert
     if (p.grad_weights != nullptr) {
       const int chosen = lane < p.top_k ? static_cast<int>(p.experts[t * p.top_k + lane]) : -1;
       const float g = lane < p.top_k ? p.scaling * p.grad_weights[t * p.top_k + lane] : 0.f;
@@ -228,7 +228,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_backward_kernel(Backwa
       // CHOSEN: d l_i = w_i (g_i - dot) on the chosen; ALL: d l_e = g_e p_e on
       // the chosen, - p_e * dot everywhere.
       const float own = p.mode == MG_ROUTE_SOFTMAX_ALL ? w * g : w * (g - dot);
-      if (p.mode == MG_ROUTE_SOFTMAX_ALL) shared -= dot;
+      if (p.mode == MG_ROUTE_SOFTMAX_ALL) spread -= dot;
       for (int j = 0; j < p.top_k; ++j) {
         const int e = __shfl_sync(0xffffffffu, chosen, j);
         const float add = __shfl_sync(0xffffffffu, own, j);
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_backward_kernel(Backwa
     for (int i = 0; i < kPerLane; ++i) {
       const int e = lane + kLanes * i;
       if (e >= p.num_experts) continue;
-      const float d = grad[i] + prob[i] * (aux_scale * counts[i] + shared);
+      const float d = grad[i] + prob[i] * (aux_scale * counts[i] + spread);
       if (p.split_bf16) {
         auto* out = static_cast<__nv_bfloat16*>(p.out) + t * 2 * p.num_experts;
         const __nv_bfloat16 hi = __float2bfloat16(d);
