@@ -197,6 +197,19 @@ def test_static_inputs_are_checked_and_copied():
     check_and_copy("f", names, static, static)
 
 
+@pytest.mark.parametrize("order", ["large_first", "small_first"])
+def test_large_and_small_inputs_are_all_copied(order):
+    """Inputs of 1 MiB or more take one copy_ each, smaller ones one _foreach_copy_: all land."""
+    shapes = [(512, 512), (3,), (1024, 256), (7, 5)]  # 1 MiB, small, 1 MiB, small (float32)
+    if order == "small_first":
+        shapes = shapes[::-1]
+    static = [torch.zeros(shape) for shape in shapes]
+    new = [torch.randn(shape) for shape in shapes]
+    check_and_copy("f", [f"args[{i}]" for i in range(len(shapes))], static, new)
+    for got, want in zip(static, new):
+        assert torch.equal(got, want)
+
+
 # ---------------------------------------------------------------- capture_step: checks before CUDA
 
 

@@ -27,19 +27,25 @@ __device__ inline uint32_t ordered_bits(float score) {
   return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
 }
 
-__device__ inline uint64_t warp_max(uint64_t value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, value, offset);
-    value = other > value ? other : value;
-  }
-  return value;
+// The inverse of ordered_bits (every NaN comes back as one NaN, -0 as +0).
+__device__ inline float from_ordered_bits(uint32_t bits) {
+  return __uint_as_float((bits & 0x80000000u) ? bits & 0x7fffffffu : ~bits);
 }
 
+// Warp maxima by redux.sync, one instruction per 32 bits where a shuffle tree
+// takes five: the choice's top_k rounds were most of the router kernels'
+// time. A 64-bit key is its high word's maximum, then the maximum low word
+// among the lanes holding that high word.
+__device__ inline uint64_t warp_max(uint64_t value) {
+  const uint32_t high = __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(value >> 32));
+  const uint32_t low = __reduce_max_sync(
+      0xffffffffu, static_cast<uint32_t>(value >> 32) == high ? static_cast<uint32_t>(value) : 0u);
+  return (static_cast<uint64_t>(high) << 32) | low;
+}
+
+// NaN if any lane holds one (as torch's max), else the largest value.
 __device__ inline float warp_max(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
+  return from_ordered_bits(__reduce_max_sync(0xffffffffu, ordered_bits(value)));
 }
 
 // The same butterfly on every lane, so every lane gets the same bits.
