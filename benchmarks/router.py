@@ -96,7 +96,7 @@ def router_rows(names, rounds: int, flush: L2Flush) -> list[dict]:
                 times[backend] += [run_ms(run, flush) for _ in range(5)]
         for backend, ts in times.items():
             ms = statistics.median(ts)
-            # bytes every backend must move: x read twice (forward, dW), dx written, logits read/written
+            # bytes every backend moves at least: x [T, H] read twice (forward, dW) and dx written
             rows.append({"bench": "router", "op": "router_fwd_bwd", "shape": name, "splits": "router",
                          "backend": backend, "ms": round(ms, 5),
                          "gbps": round(3 * shape.tokens * shape.hidden * 2 / ms / 1e6, 1)})

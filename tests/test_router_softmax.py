@@ -17,8 +17,8 @@ ROUTERS = {  # name: Router options that take the kernels, and the weights mode 
 def gpu_kernels_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if not _core.available() or not hasattr(_core.lib, "mg_route_softmax"):
-        pytest.skip("core without mg_route_softmax")
+    if not router_softmax._CORE_HAS_KERNELS:
+        pytest.skip(f"core without mg_route_softmax: {_core.unavailable_reason or 'built before it'}")
 
 
 def composed(monkeypatch, router, x):

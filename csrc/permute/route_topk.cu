@@ -18,7 +18,7 @@ using route::kLanes;
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / kLanes;
 // Tokens per warp: each warp's tokens run one after another, latency-bound
-// (top_k rounds of shuffles), so more warps hide more of it; fewer tokens per
+// (top_k rounds of warp maxima), so more warps hide more of it; fewer tokens per
 // warp mean more CTAs and more global count adds. On an H100 (graphed, L2
 // flushed) 4 against 16: 26 against 43 us for 16384 tokens, 128 experts,
 // top-8; 17 against 28 us for 64 experts, top-6; 8 against 18 us for 8192
