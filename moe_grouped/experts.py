@@ -4,9 +4,10 @@ The unfused path (``permute`` -> ``GroupedMLP`` -> ``unpermute``) keeps, for
 backward, the permuted tokens xp [R, H], fc1's output g [R, 2I], h [R, I]
 and the expert output y [R, H] (for the routing weights' gradient). This one
 keeps the tokens x [T, H] (the router keeps them anyway), g and the routing
-weights, and recomputes the rest in backward from these identities (per
-copy of token t at row r with weight w, dout the layer's output gradient,
-dy_u = dout_t gathered unweighted):
+weights (on the ``cuda`` backend its fc1 reads x through the routing index,
+so the forward writes no permuted copy at all), and recomputes the rest in
+backward from these identities (per copy of token t at row r with weight w,
+dout the layer's output gradient, dy_u = dout_t gathered unweighted):
 
 - ``out_t = sum_r w * y_r`` with ``y = h W2^T``, so
   ``d w = <dout_t, y_r> = <dy_u W2, h> = <dh_u, h>``: no y needed;
@@ -38,6 +39,8 @@ import torch
 
 from .activation import swiglu
 from .grouped_linear import _main_grads, _param_grads, _Spec
+from .ops import cuda_backend
+from .permute import source_rows
 
 EXPERTS_PATHS = (None, "fused", "unfused")
 
@@ -73,6 +76,25 @@ def _gather(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor]
     return torch.ops.moe_grouped.permute_rows(
         tokens, row_id_map, plan.top_k, plan.num_rows, plan.zero_unmapped, plan.permute_backend
     )
+
+
+def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m_splits: torch.Tensor,
+         w1: list) -> torch.Tensor:
+    """fc1's output g [R, 2I] for each copy's token row.
+
+    With the core's gathered kernel (bf16 on the ``cuda`` backend), the GEMM
+    reads the token rows through the routing index, so no permuted [R, H]
+    copy is written and read back; rows no copy maps to read zeros, as the
+    copy would hold. Measured on the H100 (benchmarks/gathered_gemm.py), the
+    gathered fc1 runs as fast as the plain kernel on a ready copy (0.99-1.00x
+    on the Qwen3- and OLMoE-like shapes), so the copy's pass is saved whole.
+    """
+    dtype, gemm = tokens.dtype, plan.gemm_backend
+    if plan.routed and gemm == "cuda" and cuda_backend.gathers(tokens, dtype):
+        index = source_rows(row_id_map, plan.top_k, plan.num_rows)
+        return torch.ops.moe_grouped.grouped_fprop_gathered(tokens, index, w1, m_splits, dtype, gemm)
+    xp = _gather(plan, tokens, row_id_map)
+    return torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
 
 
 def _permuted_weights(plan: Plan, probs: torch.Tensor, row_id_map: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -122,9 +144,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, fc1_delayed, fc2_delayed, *weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
-        xp = _gather(plan, tokens, row_id_map)
-        g = torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
-        del xp
+        g = _fc1(plan, tokens, row_id_map, m_splits, w1)
         h = swiglu(g, backend=plan.activation_backend)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h

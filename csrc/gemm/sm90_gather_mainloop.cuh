@@ -25,15 +25,24 @@
 // arrive_and_expect_tx, whose byte count covers only the TMA operand
 // (Params::tma_transaction_bytes, which the kernel gives the pipeline).
 //
-// Measured on the H100 (benchmarks/gathered_gemm.py, results/gathered_gemm-
-// h100.json), against the permute kernel's copy plus the plain kernel:
-// K-major gathers break even (fprop 0.85-1.06x, dgrad 0.93-1.32x over the
-// five experts-path shapes); MN-major ones are slower (wgrad 0.42-0.74x): the
-// producer warps, at the kernel's 40 registers each, issue the copies too
-// slowly for the MMA. Tried and dropped (Qwen3-like shape): one TMA box
-// per 128-byte row (exact, as the hardware swizzles by address, but the
-// GEMMs took 2.5-7x the plain kernel's time: the TMA unit's per-box cost),
-// and one producer warp (0.31-0.67x of the copy plus the plain kernel).
+// Producer cost is what limits these kernels: the two producer warps run at
+// the kernel's 40 registers, one instruction at a time each, and the stage
+// must be filled as fast as the MMA drains it. Hence one cp.async per copy
+// with few address instructions (copy_tokens), and no code for an operand a
+// kernel never gathers (kMayGatherB). Measured on the H100 against the plain
+// kernel on a ready permuted copy (in-process A/B, Qwen3- and OLMoE-like
+// shapes, 2026-11-26; benchmarks/gathered_gemm.py has all five shapes):
+// fprop 0.99-1.01x and dgrad 0.97x (no cluster), wgrad 0.70-0.72x, where the
+// earlier producer (a 64-bit address shuffled to the warp per copy, about 14
+// instructions each) gave fprop 0.75-0.83x, dgrad 0.79-0.81x and wgrad 0.37-
+// 0.52x. Tried and dropped (Qwen3-like shape): one TMA box per 128-byte row
+// (exact, as the hardware swizzles by address, but the GEMMs took 2.5-7x
+// the plain kernel's time: the TMA unit's per-box cost), one producer warp
+// (0.31-0.67x of the copy plus the plain kernel), loading the MN-major
+// indices a k-tile ahead alone (no change: the warps were issue-bound, not
+// waiting on the index), and the K-major copy addressed like the MN-major
+// one from 32-bit rows (dgrad 0.52x against 0.59x for this copy, both with
+// B's copy still compiled in).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -96,6 +105,12 @@ struct GatherMainloop : Base {
   static constexpr int kSwizzleRowElements = 64;  // 128 bytes, one row of the SW128 atom
   static constexpr bool kAKMajor = !cutlass::gemm::detail::is_major<0, typename Base::StrideA>();
   static constexpr bool kBKMajor = !cutlass::gemm::detail::is_major<0, typename Base::StrideB>();
+  // Only wgrad (both operands MN-major) reads B through an index; fprop and
+  // dgrad load their weights by TMA, so their kernels leave B's copy out.
+  // Compiled in, though never run, it cost the gathered dgrad a third of its
+  // speed (0.59-0.63x of the plain kernel against 0.90-0.91x without, H100,
+  // Qwen3- and OLMoE-like): the producer warps' 40 registers must hold both.
+  static constexpr bool kMayGatherB = !kAKMajor && !kBKMajor;
   static constexpr int kBlockM = cute::size<0>(TileShape{});
   static constexpr int kBlockN = cute::size<1>(TileShape{});
   static constexpr int kBlockK = cute::size<2>(TileShape{});
@@ -122,10 +137,11 @@ struct GatherMainloop : Base {
     static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(
         problem_shapes, static_cast<typename Base::Arguments const&>(args), workspace);
     params.gather = args.gather;
+    if (!kMayGatherB) params.gather.b = RowGatherOperand{};  // B comes by TMA
     // The full barrier waits for TMA bytes of the operands TMA still loads;
     // the gathered ones complete through cp.async arrivals.
     params.tma_transaction_bytes =
-        (args.gather.a.index != nullptr ? 0u : kBytesA) + (args.gather.b.index != nullptr ? 0u : kBytesB);
+        (params.gather.a.index != nullptr ? 0u : kBytesA) + (params.gather.b.index != nullptr ? 0u : kBytesB);
     return params;
   }
 
@@ -151,28 +167,30 @@ struct GatherMainloop : Base {
     return cute::make_tuple(cute::get<0>(inputs), cute::get<1>(inputs), rows);
   }
 
-  // Byte addresses of the source rows of this lane's slots: row
-  // index[first + start + lane + 32 s] of the source, 0 where there is none
-  // (past the group's end, or an index outside [0, source_rows)).
+  // The source rows of this lane's slots: index[first + start + lane + 32 s],
+  // or -1 past the group's end.
   template <int Slots>
-  CUTLASS_DEVICE static void read_rows(const RowGatherOperand& op, GroupRows rows, int start, int lane,
-                                       uint64_t (&addr)[Slots]) {
+  CUTLASS_DEVICE static void load_rows(const RowGatherOperand& op, GroupRows rows, int start, int lane,
+                                       int32_t (&source_row)[Slots]) {
     CUTLASS_PRAGMA_UNROLL
     for (int s = 0; s < Slots; ++s) {
       const int row = start + lane + kLanes * s;
-      const int64_t source_row = row < rows.count ? __ldg(op.index + rows.first + row) : -1;
-      addr[s] = source_row >= 0 && source_row < op.source_rows
-                    ? reinterpret_cast<uint64_t>(op.source) + static_cast<uint64_t>(source_row * op.cols * 2)
-                    : 0;
+      source_row[s] = row < rows.count ? __ldg(op.index + rows.first + row) : -1;
     }
   }
 
-  // cp.async of 16 bytes into chunk `chunk` of the 128-byte smem row at
-  // `row_addr`, where the SW128 swizzle puts it: the chunk index XORed with
-  // the row's position in its 1024-byte group. Zeros when !valid.
-  CUTLASS_DEVICE static void copy_chunk(uint32_t row_addr, int chunk, uint64_t src, bool valid) {
-    const uint32_t dst = row_addr + ((chunk ^ ((row_addr >> 7) & 7)) << 4);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+  // Byte addresses of those rows in the source, 0 where there is none (no
+  // row, or an index outside [0, source_rows)).
+  template <int Slots>
+  CUTLASS_DEVICE static void row_addresses(const RowGatherOperand& op, const int32_t (&source_row)[Slots],
+                                           uint64_t (&addr)[Slots]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < Slots; ++s) {
+      const int64_t row = source_row[s];
+      addr[s] = row >= 0 && row < op.source_rows
+                    ? reinterpret_cast<uint64_t>(op.source) + static_cast<uint64_t>(row * op.cols * 2)
+                    : 0;
+    }
   }
 
   // The stage buffers' 128-byte rows, as the copies below address them: a
@@ -195,57 +213,112 @@ struct GatherMainloop : Base {
     }
   }
 
-  // Copies this warp's share of one k-tile of a gathered operand into
-  // `stage`; `rows` holds the source rows of its slots (first_slot + s).
-  // K-major: slot s is 32 tile rows (fixed over the K loop); each
-  // instruction moves 4 rows' 128 bytes of the k-tile. MN-major: slot s is
-  // 32 of the k-tile's tokens; each instruction moves 512 bytes of one
-  // token's BLK_MN elements (or 256 of two). Every lane keeps one chunk
-  // column, so per copy only the row changes.
-  template <class SmemLayout, bool KMajor, int BlockMN, class Element, int Slots>
-  CUTLASS_DEVICE static void copy_tile(Element* smem, const RowGatherOperand& op, const uint64_t (&rows)[Slots],
-                                       int first_slot, int lane, int stage, int mn_start, int k_tile) {
-    static_assert(rows_as_addressed<SmemLayout, KMajor, BlockMN>(), "unexpected shared-memory layout");
+  // Copies this warp's share of one k-tile of a K-major gathered operand
+  // into the stage at `stage_addr`; `rows` holds the source addresses of its
+  // slots' rows (row_addresses, once per tile: the rows stay over the K
+  // loop). Slot s is 32 tile rows; each instruction moves 4 rows' 128 bytes
+  // of the k-tile, every lane keeping one 16-byte chunk column. (Addressing
+  // these like the MN-major copy below, from 32-bit rows, measured slower;
+  // see the top of this file.)
+  template <int Slots>
+  CUTLASS_DEVICE static void copy_tile(uint32_t stage_addr, const RowGatherOperand& op, const uint64_t (&rows)[Slots],
+                                       int first_slot, int lane, int k_tile) {
     constexpr uint32_t kRowBytes = kSwizzleRowElements * 2;  // 128
     constexpr int kChunksPerRow = kSwizzleRowElements / kChunkElements;  // 8
-    const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(smem) + stage * BlockMN * kBlockK * 2;
+    constexpr int kRowsPerStep = kLanes / kChunksPerRow;  // 4
     const uint64_t fallback = reinterpret_cast<uint64_t>(op.source);  // read by no copy (size 0)
+    const int chunk = lane % kChunksPerRow;
+    const int sub = lane / kChunksPerRow;
+    const int64_t col = static_cast<int64_t>(k_tile) * kBlockK + chunk * kChunkElements;
+    const bool col_ok = col < op.cols;
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 0; s < Slots; ++s) {
+      const uint32_t slot_addr = stage_addr + ((first_slot + s) * kLanes + sub) * kRowBytes;
+      CUTLASS_PRAGMA_UNROLL
+      for (int step = 0; step < kLanes / kRowsPerStep; ++step) {
+        const uint64_t src = __shfl_sync(0xffffffffu, rows[s], step * kRowsPerStep + sub);
+        const bool valid = src != 0 && col_ok;
+        // The chunk's place in the SW128 row: its index XORed with the row's
+        // position in its 1024-byte atom.
+        const uint32_t row_addr = slot_addr + step * kRowsPerStep * kRowBytes;
+        const uint32_t dst = row_addr + ((chunk ^ ((row_addr >> 7) & 7)) << 4);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
+                     "l"(valid ? src + col * 2 : fallback), "r"(valid ? 16 : 0));
+      }
+    }
+  }
+
+  // Copies this warp's tokens of one k-tile of an MN-major gathered operand
+  // into the stage at `stage_addr`: BLK_MN columns from mn_start of each,
+  // 128-byte line j of token t to buffer row j * BLK_K + t. `token_row` is
+  // the source row of this lane's token, first_token + lane (or -1).
+  //
+  // Eight lanes take one line (a 16-byte chunk each), so an instruction
+  // covers one line of four tokens, and where a lane's chunk lands in its
+  // 128-byte row (the chunk index XORed with the row's place in its 8-row
+  // swizzle atom) depends only on the instruction's parity. The addresses
+  // are then a few registers plus constants, and one shuffle serves four
+  // tokens' lines. (Broadcasting each token's 64-bit address to the warp, as
+  // the K-major copy does, took about 14 instructions per copy here; the two
+  // producer warps could not issue them as fast as the MMA consumed the
+  // stages, and the gathered wgrad ran at 0.4-0.7x of the plain kernel.)
+  template <int BlockMN, bool FullWidth>
+  CUTLASS_DEVICE static void copy_tokens(uint32_t stage_addr, const RowGatherOperand& op, int32_t token_row,
+                                         int first_token, int lane, int mn_start) {
+    constexpr uint32_t kRowBytes = kSwizzleRowElements * 2;               // 128
+    constexpr int kChunksPerRow = kSwizzleRowElements / kChunkElements;   // 8
+    constexpr int kTokensPerCopy = kLanes / kChunksPerRow;                // 4
+    constexpr int kLines = BlockMN / kSwizzleRowElements;                 // per token
+    constexpr uint32_t kLineStride = kBlockK * kRowBytes;
+    const int token = lane / kChunksPerRow;  // this lane's token within a copy
+    const int chunk = lane % kChunksPerRow;
+    // first_token is a multiple of 8, so copy c's tokens sit at rows
+    // 4 (c % 2) + token of their swizzle atom.
+    uint32_t lane_dst[2];
+    CUTLASS_PRAGMA_UNROLL
+    for (int parity = 0; parity < 2; ++parity) {
+      const int atom_row = parity * kTokensPerCopy + token;
+      lane_dst[parity] = stage_addr + (first_token + token) * kRowBytes + ((chunk ^ atom_row) << 4);
+    }
+    const uint64_t source = reinterpret_cast<uint64_t>(op.source);
+    const int64_t lane_col = static_cast<int64_t>(mn_start) + chunk * kChunkElements;
+    const uint64_t lane_src = source + lane_col * 2;
+    const uint64_t row_bytes = static_cast<uint64_t>(op.cols) * 2;
+    const uint32_t row_limit = static_cast<uint32_t>(op.source_rows < INT32_MAX ? op.source_rows : INT32_MAX);
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < kLanes / kTokensPerCopy; ++c) {
+      const int32_t row = __shfl_sync(0xffffffffu, token_row, c * kTokensPerCopy + token);
+      const bool row_ok = static_cast<uint32_t>(row) < row_limit;  // -1 wraps past it
+      const uint64_t src = lane_src + (row_ok ? static_cast<uint32_t>(row) : 0u) * row_bytes;
+      const uint32_t dst = lane_dst[c % 2] + c * kTokensPerCopy * kRowBytes;
+      CUTLASS_PRAGMA_UNROLL
+      for (int line = 0; line < kLines; ++line) {
+        const bool col_ok = FullWidth || lane_col + line * kSwizzleRowElements < op.cols;
+        // A column past the row's end may be past the source's end: such a
+        // copy (size 0, reads nothing) points at the source's start.
+        const uint64_t from = FullWidth || col_ok ? src + line * kRowBytes : source;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + line * kLineStride),
+                     "l"(from), "r"(row_ok && col_ok ? 16 : 0));
+      }
+    }
+  }
+
+  // One k-tile of a gathered operand into `stage`. K-major: the k-tile's
+  // columns of the tile's rows, whose addresses `rows` holds. MN-major:
+  // BLK_MN columns from mn_start of the k-tile's tokens, this lane's in
+  // token_row; the full-width copy skips the column checks.
+  template <class SmemLayout, bool KMajor, int BlockMN, class Element, int Slots>
+  CUTLASS_DEVICE static void copy_operand(Element* smem, const RowGatherOperand& op, const uint64_t (&rows)[Slots],
+                                          int32_t token_row, int first_slot, int lane, int stage, int mn_start,
+                                          int k_tile) {
+    static_assert(rows_as_addressed<SmemLayout, KMajor, BlockMN>(), "unexpected shared-memory layout");
+    const uint32_t stage_addr = cute::cast_smem_ptr_to_uint(smem) + stage * BlockMN * kBlockK * 2;
     if constexpr (KMajor) {
-      constexpr int kRowsPerStep = kLanes / kChunksPerRow;  // 4
-      const int chunk = lane % kChunksPerRow;
-      const int sub = lane / kChunksPerRow;
-      const int64_t col = static_cast<int64_t>(k_tile) * kBlockK + chunk * kChunkElements;
-      const bool col_ok = col < op.cols;
-      CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < Slots; ++s) {
-        const uint32_t slot_addr = stage_addr + ((first_slot + s) * kLanes + sub) * kRowBytes;
-        CUTLASS_PRAGMA_UNROLL
-        for (int step = 0; step < kLanes / kRowsPerStep; ++step) {
-          const uint64_t src = __shfl_sync(0xffffffffu, rows[s], step * kRowsPerStep + sub);
-          const bool valid = src != 0 && col_ok;
-          copy_chunk(slot_addr + step * kRowsPerStep * kRowBytes, chunk, valid ? src + col * 2 : fallback, valid);
-        }
-      }
+      copy_tile(stage_addr, op, rows, first_slot, lane, k_tile);
+    } else if (mn_start + BlockMN <= op.cols) {
+      copy_tokens<BlockMN, true>(stage_addr, op, token_row, first_slot * kLanes, lane, mn_start);
     } else {
-      constexpr int kChunksPerToken = BlockMN / kChunkElements;  // 16 or 32
-      static_assert(kChunksPerToken <= kLanes, "a token's BLK_MN elements in one instruction");
-      constexpr int kTokensPerStep = kLanes / kChunksPerToken;
-      const int q = lane % kChunksPerToken;  // this lane's chunk of every token row
-      const int sub = lane / kChunksPerToken;
-      const int64_t col = static_cast<int64_t>(mn_start) + q * kChunkElements;
-      const bool col_ok = col < op.cols;
-      const uint32_t lane_addr = stage_addr + (q / kChunksPerRow) * kBlockK * kRowBytes;
-      CUTLASS_PRAGMA_UNROLL
-      for (int s = 0; s < Slots; ++s) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int step = 0; step < kLanes / kTokensPerStep; ++step) {
-          const int in_slot = step * kTokensPerStep + sub;
-          const uint64_t src = __shfl_sync(0xffffffffu, rows[s], in_slot);
-          const bool valid = src != 0 && col_ok;
-          const uint32_t row_addr = lane_addr + ((first_slot + s) * kLanes + in_slot) * kRowBytes;
-          copy_chunk(row_addr, q % kChunksPerRow, valid ? src + col * 2 : fallback, valid);
-        }
-      }
+      copy_tokens<BlockMN, false>(stage_addr, op, token_row, first_slot * kLanes, lane, mn_start);
     }
   }
 
@@ -257,6 +330,8 @@ struct GatherMainloop : Base {
   static constexpr int kSlotsA = (kAKMajor ? kBlockM : kBlockK) / kLanes / kParts;
   static constexpr int kSlotsB = (kBKMajor ? kBlockN : kBlockK) / kLanes / kParts;
   static_assert(kSlotsA >= 1 && kSlotsB >= 1);
+  // An MN-major operand's k-tile is one token per lane of each warp.
+  static_assert((kAKMajor || kSlotsA == 1) && (kBKMajor || kSlotsB == 1));
   // The two warps meet here each k-tile (64 threads), so that both warps'
   // pending cp.async arrivals are on the barrier before the leader arrives.
   static constexpr uint32_t kGatherBarrier = 7;  // a user named barrier (hardware id 15)
@@ -273,7 +348,7 @@ struct GatherMainloop : Base {
     const RowGatherOperand& gather_a = params.gather.a;
     const RowGatherOperand& gather_b = params.gather.b;
     const bool gathers_a = gather_a.index != nullptr;
-    const bool gathers_b = gather_b.index != nullptr;
+    const bool gathers_b = kMayGatherB && gather_b.index != nullptr;
     const bool gathers = gathers_a || gathers_b;
     if (part != 0 && !gathers) return;  // nothing for the auxiliary warp
 
@@ -303,23 +378,38 @@ struct GatherMainloop : Base {
     const int m_start = static_cast<int>(m_coord) * kBlockM;
     const int n_start = static_cast<int>(n_coord) * kBlockN;
     const int first_a = part * kSlotsA, first_b = part * kSlotsB;
-    uint64_t source_a[kSlotsA];
-    uint64_t source_b[kSlotsB];
-    if constexpr (kAKMajor) {
-      if (gathers_a) read_rows(gather_a, rows, m_start + first_a * kLanes, lane, source_a);
+    // K-major operands keep their rows over the K loop: their addresses are
+    // worked out once. MN-major ones take a new token per lane every k-tile,
+    // whose index is loaded a k-tile ahead.
+    int32_t rows_a[kSlotsA];
+    int32_t rows_b[kSlotsB];
+    uint64_t source_a[kSlotsA] = {};
+    uint64_t source_b[kSlotsB] = {};
+    const int first_k_tile = k_tile_count > 0 ? static_cast<int>(*k_tile_iter) : 0;
+    if (gathers_a) {
+      load_rows(gather_a, rows, (kAKMajor ? m_start : first_k_tile * kBlockK) + first_a * kLanes, lane, rows_a);
+      if constexpr (kAKMajor) row_addresses(gather_a, rows_a, source_a);
     }
-    if constexpr (kBKMajor) {
-      if (gathers_b) read_rows(gather_b, rows, n_start + first_b * kLanes, lane, source_b);
+    if (gathers_b) {
+      load_rows(gather_b, rows, (kBKMajor ? n_start : first_k_tile * kBlockK) + first_b * kLanes, lane, rows_b);
+      if constexpr (kBKMajor) row_addresses(gather_b, rows_b, source_b);
     }
 
     CUTLASS_PRAGMA_NO_UNROLL
     for (; k_tile_count > 0; --k_tile_count) {
       const int k_tile = static_cast<int>(*k_tile_iter);
+      int32_t token_a = -1, token_b = -1;  // MN-major: this lane's token row in this k-tile
       if constexpr (!kAKMajor) {
-        if (gathers_a) read_rows(gather_a, rows, k_tile * kBlockK + first_a * kLanes, lane, source_a);
+        if (gathers_a) {
+          token_a = rows_a[0];
+          load_rows(gather_a, rows, (k_tile + 1) * kBlockK + first_a * kLanes, lane, rows_a);
+        }
       }
       if constexpr (!kBKMajor) {
-        if (gathers_b) read_rows(gather_b, rows, k_tile * kBlockK + first_b * kLanes, lane, source_b);
+        if (gathers_b) {
+          token_b = rows_b[0];
+          load_rows(gather_b, rows, (k_tile + 1) * kBlockK + first_b * kLanes, lane, rows_b);
+        }
       }
       // Every lane waits for the stage to be free, without arriving yet.
       auto token = pipeline.producer_try_acquire(smem_pipe_write);
@@ -327,12 +417,12 @@ struct GatherMainloop : Base {
       auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
       const int stage = smem_pipe_write.index();
       if (gathers_a) {
-        copy_tile<SmemLayoutA, kAKMajor, kBlockM>(shared_tensors.smem_A.data(), gather_a, source_a, first_a, lane,
-                                                  stage, m_start, k_tile);
+        copy_operand<SmemLayoutA, kAKMajor, kBlockM>(shared_tensors.smem_A.data(), gather_a, source_a, token_a,
+                                                     first_a, lane, stage, m_start, k_tile);
       }
       if (gathers_b) {
-        copy_tile<SmemLayoutB, kBKMajor, kBlockN>(shared_tensors.smem_B.data(), gather_b, source_b, first_b, lane,
-                                                  stage, n_start, k_tile);
+        copy_operand<SmemLayoutB, kBKMajor, kBlockN>(shared_tensors.smem_B.data(), gather_b, source_b, token_b,
+                                                     first_b, lane, stage, n_start, k_tile);
       }
       if (gathers) {
         cutlass::arch::cpasync_barrier_arrive(barrier);

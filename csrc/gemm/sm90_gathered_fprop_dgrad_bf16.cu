@@ -9,11 +9,16 @@ using sm90::GroupedGemm;
 using sm90::entry;
 constexpr auto kIn = MG_BFLOAT16;
 constexpr auto kTile = TileConfig::kCoop128x256;
+// The tile the heuristic picks for 16-bit fprop and dgrad (heuristic.cpp);
+// the 2x1-cluster one stays as the fallback every kernel table has.
+constexpr auto kNoCluster = TileConfig::kCoop128x256NoCluster;
 
 using Fprop = GroupedGemm<MG_GEMM_FPROP, kIn, kIn, kTile, /*Gathered=*/true>;
 using Dgrad = GroupedGemm<MG_GEMM_DGRAD, kIn, kIn, kTile, /*Gathered=*/true>;
+using FpropNoCluster = GroupedGemm<MG_GEMM_FPROP, kIn, kIn, kNoCluster, /*Gathered=*/true>;
+using DgradNoCluster = GroupedGemm<MG_GEMM_DGRAD, kIn, kIn, kNoCluster, /*Gathered=*/true>;
 
-const KernelEntry kEntries[] = {entry<Fprop>(), entry<Dgrad>()};
+const KernelEntry kEntries[] = {entry<Fprop>(), entry<Dgrad>(), entry<FpropNoCluster>(), entry<DgradNoCluster>()};
 }  // namespace
 
 KernelList sm90_gathered_fprop_dgrad_bf16_kernels() {
