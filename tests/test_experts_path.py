@@ -268,6 +268,32 @@ def test_gpu_fused_matches_unfused_and_the_reference(dtype, capacity):
         assert calc_diff(a, e) < 1e-4, f"{name}: fused vs unfused, {capacity=} {dtype=}"
 
 
+@pytest.mark.gpu
+def test_gpu_fused_fc1_reads_the_tokens_through_the_routing_index(monkeypatch):
+    """bf16 on the cuda backend: fc1 is the gathered GEMM, so forward makes no permuted copy of x."""
+    require_fused_cuda()
+    import moe_grouped.experts as experts
+
+    calls = {"index": 0, "copy": 0}
+    source_rows, gather = experts.source_rows, experts._gather
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(experts, "source_rows", counted("index", source_rows))
+    monkeypatch.setattr(experts, "_gather", counted("copy", gather))
+    layer = MoELayer(64, 96, 8, 4, dtype=torch.bfloat16, device="cuda", backend="cuda")
+    x = torch.randn(40, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = layer(x)
+    assert calls == {"index": 1, "copy": 0}, calls
+    out.float().square().sum().backward()
+    assert calls["copy"] == 2, calls  # backward: the output gradient for fc2, the tokens for fc1's wgrad
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
 class SplitRoutedMoE(nn.Module):
     """A MoE layer whose routing follows given token counts, so the replay harness drives it.
 
