@@ -27,22 +27,26 @@
 //
 // Producer cost is what limits these kernels: the two producer warps run at
 // the kernel's 40 registers, one instruction at a time each, and the stage
-// must be filled as fast as the MMA drains it. Hence one cp.async per copy
-// with few address instructions (copy_tokens), and no code for an operand a
-// kernel never gathers (kMayGatherB). Measured on the H100 against the plain
-// kernel on a ready permuted copy (in-process A/B, Qwen3- and OLMoE-like
-// shapes, 2026-11-26; benchmarks/gathered_gemm.py has all five shapes):
-// fprop 0.99-1.01x and dgrad 0.97x (no cluster), wgrad 0.70-0.72x, where the
-// earlier producer (a 64-bit address shuffled to the warp per copy, about 14
-// instructions each) gave fprop 0.75-0.83x, dgrad 0.79-0.81x and wgrad 0.37-
-// 0.52x. Tried and dropped (Qwen3-like shape): one TMA box per 128-byte row
-// (exact, as the hardware swizzles by address, but the GEMMs took 2.5-7x
-// the plain kernel's time: the TMA unit's per-box cost), one producer warp
-// (0.31-0.67x of the copy plus the plain kernel), loading the MN-major
-// indices a k-tile ahead alone (no change: the warps were issue-bound, not
-// waiting on the index), and the K-major copy addressed like the MN-major
-// one from 32-bit rows (dgrad 0.52x against 0.59x for this copy, both with
-// B's copy still compiled in).
+// must be filled as fast as the MMA drains it (ncu: the consumers wait on
+// the full barrier while the producers stall on their own dependent
+// instructions). Hence one cp.async per copy with few address instructions
+// (copy_tokens), and no code for an operand a kernel never gathers
+// (kMayGatherB). Measured on the H100 against the plain kernel on a ready
+// permuted copy (benchmarks/gathered_gemm.py, results/gathered_gemm-
+// h100.json, five shapes): fprop 0.90-1.12x, dgrad 0.89-1.06x, wgrad 0.66-
+// 0.80x. The earlier producer (a 64-bit address shuffled to the warp per
+// copy, about 14 instructions each) gave fprop 0.75-0.83x, dgrad 0.79-0.81x
+// and wgrad 0.37-0.52x in an in-process A/B on the Qwen3- and OLMoE-like
+// shapes. Tried and dropped (same A/B): one TMA box per 128-byte row (exact,
+// as the hardware swizzles by address, but 2.5-7x the plain kernel's time:
+// the TMA unit's per-box cost); one producer warp (0.31-0.67x of the copy
+// plus the plain kernel); loading the MN-major indices a k-tile ahead alone
+// (no change); the K-major copy addressed like the MN-major one from 32-bit
+// rows (dgrad 0.52x against 0.59x for this copy, both with B's copy still
+// compiled in); a wgrad kernel with only B's copy compiled (fc1 wgrad 3-4%
+// faster); and the MN-major copies shuffling a 64-bit row offset worked out
+// once per k-tile, with the line offsets as immediates (fc1 wgrad 0.67 ->
+// 0.72x, but fc2 wgrad 0.79 -> 0.77x and 0.66-0.71 -> 0.62-0.64x).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
