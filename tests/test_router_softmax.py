@@ -197,6 +197,29 @@ def test_graph_replays_with_new_tokens_equal_eager():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode", [router_softmax.SOFTMAX_CHOSEN, router_softmax.SOFTMAX_ALL])
+def test_backward_fp32_output_is_what_the_bf16_halves_round(mode):
+    """out_dtype fp32 writes d logits itself; bf16's [hi | lo] are its rounding and the remainder's."""
+    gpu_kernels_or_skip()
+    torch.manual_seed(0)
+    tokens, num_experts, top_k, scaling = 777, 64, 6, 1.5
+    logits = torch.randn(tokens, num_experts, device="cuda") * 3
+    experts, counts, weights, lse, _ = torch.ops.moe_grouped.route_softmax(logits, top_k, mode, scaling)
+    grads = (torch.randn_like(weights), torch.tensor([0.3, -0.7], device="cuda"), torch.randn_like(logits))
+    halves = torch.ops.moe_grouped.route_softmax_backward(
+        logits, lse, experts, counts, top_k, mode, scaling, *grads)
+    full = torch.full_like(logits, float("nan"))
+    _core.check(_core.require().mg_route_softmax_backward(
+        logits.data_ptr(), lse.data_ptr(), experts.data_ptr(), counts.data_ptr(), tokens, num_experts, top_k, mode,
+        scaling, *(g.data_ptr() for g in grads), _core.dtype_code(torch.float32), full.data_ptr(),
+        _core.stream_handle(logits.device)))
+    hi, lo = halves[:, :num_experts], halves[:, num_experts:]
+    assert full.abs().max() > 0
+    assert torch.equal(full.bfloat16(), hi)
+    assert torch.equal((full - hi.float()).bfloat16(), lo)
+
+
+@pytest.mark.gpu
 def test_core_refuses_bad_arguments():
     gpu_kernels_or_skip()
     logits = torch.randn(4, 8, device="cuda")
