@@ -9,6 +9,7 @@
 // lower expert wins, as in a stable sort).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -19,6 +20,27 @@ namespace moe_grouped::route {
 constexpr int kLanes = 32;
 constexpr int kMaxExperts = 1024;  // 32 keys per lane
 constexpr int kMaxTopK = 32;       // one choice per lane
+
+// Both router kernels run one warp per token, in CTAs of kThreads, each warp
+// taking its tokens one after another. That is latency-bound (top_k rounds
+// of warp maxima), so more warps hide more of it; fewer tokens per warp mean
+// more CTAs and more global count adds. On an H100 (route_topk, graphed, L2
+// flushed) 4 tokens per warp against 16: 26 against 43 us for 16384 tokens,
+// 128 experts, top-8; 17 against 28 us for 64 experts, top-6; 8 against 18
+// us for 8192 tokens, 8 experts, top-2 (with shuffle-tree maxima; with the
+// redux.sync ones below 20.5, 12.9 and 8.0 us). route_softmax measured the
+// same at 1, 2 and 4.
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / kLanes;
+constexpr int kTokensPerWarp = 4;
+
+// CTAs for num_tokens at kTokensPerWarp, between 1 and max_blocks (the
+// kernels' token loops stride over the rest).
+inline int64_t blocks_for(int64_t num_tokens, int64_t max_blocks) {
+  const int64_t warps = (num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
+  const int64_t blocks = (warps + kWarps - 1) / kWarps;
+  return blocks < 1 ? 1 : (blocks > max_blocks ? max_blocks : blocks);
+}
 
 __device__ inline uint32_t ordered_bits(float score) {
   if (score != score) return 0xffffffffu;
@@ -84,6 +106,29 @@ __device__ inline int choose_topk(const float (&scores)[kPerLane], int num_exper
     if (lane == j) chosen = e;
   }
   return chosen;
+}
+
+// A token's scores as choose_topk and the softmax take them: lane l gets
+// row[l + 32 i] in values[i], -inf past num_experts.
+template <int kPerLane>
+__device__ inline void load_row(const float* row, int num_experts, int lane, float (&values)[kPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + kLanes * i;
+    values[i] = e < num_experts ? row[e] : -INFINITY;
+  }
+}
+
+// A CTA's expert histogram in shared memory: zeroed before its tokens, then
+// added to the global counts (one atomic per expert it saw; the kernel
+// synchronises the CTA in between).
+__device__ inline void clear_histogram(int32_t* hist, int num_experts) {
+  for (int e = threadIdx.x; e < num_experts; e += kThreads) hist[e] = 0;
+}
+__device__ inline void add_histogram(const int32_t* hist, int num_experts, unsigned long long* counts) {
+  for (int e = threadIdx.x; e < num_experts; e += kThreads) {
+    if (hist[e] != 0) atomicAdd(&counts[e], static_cast<unsigned long long>(hist[e]));
+  }
 }
 
 // Calls launch(std::integral_constant<int, kPerLane>{}) with kPerLane =

@@ -31,27 +31,14 @@ namespace moe_grouped {
 namespace {
 
 using route::kLanes;
+using route::kThreads;
+using route::kWarps;
+using route::load_row;
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kLanes;
-constexpr int kTokensPerWarp = 4;  // as route_topk.cu; 2 and 1 measured the same (H100)
 constexpr int64_t kMaxPartialRows = 1024;  // CTAs of the forward, each one partials row
 constexpr int kLossThreads = 1024;
 
-int64_t partial_rows(int64_t num_tokens) {
-  const int64_t warps = (num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
-  const int64_t blocks = (warps + kWarps - 1) / kWarps;
-  return blocks < 1 ? 1 : (blocks > kMaxPartialRows ? kMaxPartialRows : blocks);
-}
-
-template <int kPerLane>
-__device__ inline void load_row(const float* row, int num_experts, int lane, float (&values)[kPerLane]) {
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + kLanes * i;
-    values[i] = e < num_experts ? row[e] : -INFINITY;
-  }
-}
+int64_t partial_rows(int64_t num_tokens) { return route::blocks_for(num_tokens, kMaxPartialRows); }
 
 template <int kPerLane>
 __device__ inline float logsumexp(const float (&values)[kPerLane]) {
@@ -92,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_kernel(ForwardParams p
   auto* hist = reinterpret_cast<int32_t*>(smem);
   float* warp_sums = smem + p.num_experts;
   const int cols = p.num_experts + 1;
-  for (int e = threadIdx.x; e < p.num_experts; e += kThreads) hist[e] = 0;
+  route::clear_histogram(hist, p.num_experts);
   __syncthreads();
   const int lane = threadIdx.x % kLanes, warp = threadIdx.x / kLanes;
   float prob_sum[kPerLane] = {};
@@ -129,9 +116,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_kernel(ForwardParams p
     for (int w = 0; w < kWarps; ++w) sum += warp_sums[w * cols + c];
     p.partials[blockIdx.x * static_cast<int64_t>(cols) + c] = sum;
   }
-  for (int e = threadIdx.x; e < p.num_experts; e += kThreads) {
-    if (hist[e] != 0) atomicAdd(&p.counts[e], static_cast<unsigned long long>(hist[e]));
-  }
+  route::add_histogram(hist, p.num_experts, p.counts);
 }
 
 // One CTA: losses[0] = aux, losses[1] = z from the forward's partial rows.

@@ -14,37 +14,23 @@ namespace moe_grouped {
 namespace {
 
 using route::kLanes;
-
-constexpr int kTopkThreads = 256;
-constexpr int kTopkWarps = kTopkThreads / kLanes;
-// Tokens per warp: each warp's tokens run one after another, latency-bound
-// (top_k rounds of warp maxima), so more warps hide more of it; fewer tokens per
-// warp mean more CTAs and more global count adds. On an H100 (graphed, L2
-// flushed) 4 against 16: 26 against 43 us for 16384 tokens, 128 experts,
-// top-8; 17 against 28 us for 64 experts, top-6; 8 against 18 us for 8192
-// tokens, 8 experts, top-2. With route_select.cuh's redux.sync maxima in place
-// of shuffle trees: 20.5, 12.9 and 8.0 us.
-constexpr int kTokensPerWarp = 4;
+using route::kThreads;
+using route::kWarps;
 
 // kPerLane: keys per lane, ceil(num_experts / 32) rounded up to a power of two.
 template <int kPerLane>
-__global__ void __launch_bounds__(kTopkThreads)
+__global__ void __launch_bounds__(kThreads)
     route_topk_kernel(const float* __restrict__ scores, int64_t num_tokens, int num_experts, int top_k,
                       int64_t* __restrict__ experts, unsigned long long* __restrict__ counts) {
   extern __shared__ int32_t hist[];  // [num_experts]
-  for (int e = threadIdx.x; e < num_experts; e += kTopkThreads) hist[e] = 0;
+  route::clear_histogram(hist, num_experts);
   __syncthreads();
   const int lane = threadIdx.x % kLanes;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * kTopkWarps;
-  for (int64_t token = static_cast<int64_t>(blockIdx.x) * kTopkWarps + threadIdx.x / kLanes; token < num_tokens;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t token = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kLanes; token < num_tokens;
        token += warps) {
-    const float* row = scores + token * num_experts;
     float values[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int e = lane + kLanes * i;
-      values[i] = e < num_experts ? row[e] : 0.f;
-    }
+    route::load_row(scores + token * num_experts, num_experts, lane, values);
     const int chosen = route::choose_topk(values, num_experts, top_k, lane);
     if (lane < top_k) {
       experts[token * top_k + lane] = chosen;
@@ -52,21 +38,15 @@ __global__ void __launch_bounds__(kTopkThreads)
     }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += kTopkThreads) {
-    if (hist[e] != 0) atomicAdd(&counts[e], static_cast<unsigned long long>(hist[e]));
-  }
+  route::add_histogram(hist, num_experts, counts);
 }
 
 template <int kPerLane>
 void launch(const float* scores, int64_t num_tokens, int num_experts, int top_k, int64_t* experts,
             int64_t* counts, cudaStream_t stream) {
-  const int64_t warps_needed = (num_tokens + kTokensPerWarp - 1) / kTokensPerWarp;
-  int64_t blocks = (warps_needed + kTopkWarps - 1) / kTopkWarps;
-  if (blocks < 1) blocks = 1;
-  if (blocks > 65535) blocks = 65535;  // the grid-stride loop covers the rest
-  route_topk_kernel<kPerLane><<<static_cast<unsigned>(blocks), kTopkThreads, sizeof(int32_t) * num_experts,
-                                stream>>>(scores, num_tokens, num_experts, top_k, experts,
-                                          reinterpret_cast<unsigned long long*>(counts));
+  const auto blocks = static_cast<unsigned>(route::blocks_for(num_tokens, 65535));
+  route_topk_kernel<kPerLane><<<blocks, kThreads, sizeof(int32_t) * num_experts, stream>>>(
+      scores, num_tokens, num_experts, top_k, experts, reinterpret_cast<unsigned long long*>(counts));
 }
 
 }  // namespace
