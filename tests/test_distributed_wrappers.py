@@ -14,6 +14,7 @@ it here.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from datetime import timedelta
@@ -90,49 +91,60 @@ def _single_process_grads(model: str) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in module.named_parameters()}
 
 
+def _rank_grads(model: str, wrapper: str, rows: slice) -> dict:
+    """This rank's gradients of one model under ``wrapper``.
+
+    The wrapper (DDP's reducer, FSDP2's state) is built and released here,
+    while the process group is alive: one left for the worker's frame to
+    release after ``destroy_process_group`` was the suspect when rank 1 hung
+    after its worker returned (rank 0 had exited; about 1 CI run in 8).
+    """
+    fuse = wrapper == "main_grad"
+    module = _build(model, fuse=fuse)
+    if wrapper == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(module)
+    elif wrapper == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        if model.startswith("moe"):
+            fully_shard(module.experts, mesh=mesh)
+        wrapped = fully_shard(module, mesh=mesh)
+    else:  # Megatron-style: fused wgrad into main_grad, which the caller reduces
+        for name, param in module.named_parameters():
+            param.main_grad = torch.zeros_like(param)
+        wrapped = module
+    # main_grad is summed over the ranks below, .grad is averaged by the wrappers.
+    _loss(wrapped, model, rows, WORLD if fuse else 1).backward()
+    if fuse:
+        fused = [w for m in module.modules() if isinstance(m, GroupedLinear) for w in m.weights()]
+        assert fused and all(w.grad is None for w in fused), "fused wgrad must leave .grad empty"
+    grads = {}
+    for name, param in module.named_parameters():
+        if wrapper == "main_grad":
+            grad = param.main_grad
+            if param.grad is not None:  # parameters outside the experts produce .grad as usual
+                grad = grad + param.grad
+            dist.all_reduce(grad)
+        else:
+            grad = param.grad
+            if hasattr(grad, "full_tensor"):  # FSDP2: a sharded DTensor
+                grad = grad.full_tensor()
+        grads[name] = grad.detach().clone()
+    return grads
+
+
 def _worker(rank: int, init_method: str, wrapper: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD,
                             timeout=timedelta(seconds=DEADLINE_S // 2))
     try:
         rows = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
-        results = {}
-        for model in MODELS:
-            fuse = wrapper == "main_grad"
-            module = _build(model, fuse=fuse)
-            if wrapper == "ddp":
-                wrapped = torch.nn.parallel.DistributedDataParallel(module)
-            elif wrapper == "fsdp2":
-                from torch.distributed.device_mesh import init_device_mesh
-                from torch.distributed.fsdp import fully_shard
-
-                mesh = init_device_mesh("cpu", (WORLD,))
-                if model.startswith("moe"):
-                    fully_shard(module.experts, mesh=mesh)
-                wrapped = fully_shard(module, mesh=mesh)
-            else:  # Megatron-style: fused wgrad into main_grad, which the caller reduces
-                for name, param in module.named_parameters():
-                    param.main_grad = torch.zeros_like(param)
-                wrapped = module
-            # main_grad is summed over the ranks below, .grad is averaged by the wrappers.
-            _loss(wrapped, model, rows, WORLD if fuse else 1).backward()
-            if fuse:
-                fused = [w for m in module.modules() if isinstance(m, GroupedLinear) for w in m.weights()]
-                assert fused and all(w.grad is None for w in fused), "fused wgrad must leave .grad empty"
-            grads = {}
-            for name, param in module.named_parameters():
-                if wrapper == "main_grad":
-                    grad = param.main_grad
-                    if param.grad is not None:  # parameters outside the experts produce .grad as usual
-                        grad = grad + param.grad
-                    dist.all_reduce(grad)
-                else:
-                    grad = param.grad
-                    if hasattr(grad, "full_tensor"):  # FSDP2: a sharded DTensor
-                        grad = grad.full_tensor()
-                grads[name] = grad.detach().clone()
-            results[model] = grads
+        results = {model: _rank_grads(model, wrapper, rows) for model in MODELS}
+        gc.collect()  # anything the wrappers left in reference cycles goes while the group lives
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "grads.pt"))
+        dist.barrier()  # both ranks are done with the group before either tears it down
     finally:
         dist.destroy_process_group()
 
