@@ -37,11 +37,13 @@
 // 0.80x. The earlier producer (a 64-bit address shuffled to the warp per
 // copy, about 14 instructions each) gave fprop 0.75-0.83x, dgrad 0.79-0.81x
 // and wgrad 0.37-0.52x in an in-process A/B on the Qwen3- and OLMoE-like
-// shapes. Tried and dropped (same A/B): one TMA box per 128-byte row (exact,
-// as the hardware swizzles by address, but 2.5-7x the plain kernel's time:
-// the TMA unit's per-box cost); one producer warp (0.31-0.67x of the copy
-// plus the plain kernel); loading the MN-major indices a k-tile ahead alone
-// (no change); the K-major copy addressed like the MN-major one from 32-bit
+// shapes. The MN-major indices are loaded a k-tile ahead; with the earlier
+// producer that alone changed nothing (it was issue-bound, not waiting on
+// the index), and it stayed with the new one, not measured apart. Tried and
+// dropped (same A/B): one TMA box per 128-byte row (exact, as the hardware
+// swizzles by address, but 2.5-7x the plain kernel's time: the TMA unit's
+// per-box cost); one producer warp (0.31-0.67x of the copy plus the plain
+// kernel); the K-major copy addressed like the MN-major one from 32-bit
 // rows (dgrad 0.52x against 0.59x for this copy, both with B's copy still
 // compiled in); a wgrad kernel with only B's copy compiled (fc1 wgrad 3-4%
 // faster); and the MN-major copies shuffling a 64-bit row offset worked out
