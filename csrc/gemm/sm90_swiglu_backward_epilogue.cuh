@@ -21,20 +21,28 @@
 //
 // Measured slower than the two passes it replaces, so the experts path does
 // not use it unless asked (MOE_GROUPED_DGRAD_SWIGLU=fused). H100, graphed, L2
-// flushed (benchmarks/dgrad_swiglu.py, results/dgrad_swiglu-h100.json): 0.46-
-// 0.55x of the plain dgrad plus the standalone pass on the five issue-19
-// shapes, and the fused layer step 0.90-0.97x. In the cooperative kernel the
+// flushed (benchmarks/dgrad_swiglu.py, results/dgrad_swiglu-h100.json): 0.52-
+// 0.62x of the plain dgrad plus the standalone pass on the five issue-19
+// shapes, and the fused layer step 0.91-0.95x. In the cooperative kernel the
 // epilogue does not overlap any MMA, and here it runs on the two consumer
 // warpgroups only (8 warps per SM) where the standalone pass has the whole
-// GPU. Taken apart on the Qwen3-like shape (dgrad alone 0.63 ms): the fused
-// kernel 2.49 ms; without its global loads and stores 1.13 ms (the SwiGLU
-// math alone, +0.50 ms); without the math 1.59 ms (the memory alone, +0.96
-// ms), against 0.56 ms for the whole standalone pass. Loading the g pairs in
-// chunks of 16 ahead of the math, after an L2 prefetch of the tile's rows,
-// was slower still (2.95 ms, and a 432-byte stack frame). Paying off needs
-// the epilogue to overlap the next tile's MMAs (ping-pong warpgroups, or a
-// hand-off of the accumulators through shared memory) and coalesced,
-// prefetched (TMA) access to g.
+// GPU. Taken apart on the Qwen3-like shape (dgrad alone 0.63 ms), with one
+// load of g per pair before its stores: the fused kernel 2.49 ms; without its
+// global loads and stores 1.13 ms (the SwiGLU math alone, +0.50 ms); without
+// the math 1.59 ms (the memory alone, +0.96 ms), against 0.56 ms for the
+// whole standalone pass. Each row's g pairs are now loaded 16 at a time
+// before any of their stores (g is updated in place, so the compiler cannot
+// move a later load above an earlier store, and the old loop paid one load
+// latency per pair): 0.86-0.90x of the old kernel's time on all five shapes
+// (Qwen3-like 2.28 ms, from 0.46x to 0.53-0.54x of the two passes). Tried
+// and dropped: an L2 prefetch of the tile's rows ahead of such chunks (2.95
+// ms, and a 432-byte stack frame); the ping-pong kernel on a 64x256 tile per
+// warpgroup, so that one warpgroup's epilogue overlaps the other's MMAs:
+// 0.34-0.35x of the two passes with these chunks (Qwen3- and OLMoE-like), as
+// the epilogue takes longer than the MMAs it hides behind. Paying off needs
+// coalesced, prefetched (TMA) access to g through shared memory, so that the
+// epilogue is no longer bound by 4-byte accesses spread over eight rows per
+// instruction, and then the overlap.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -154,22 +162,39 @@ struct SwigluBackwardEpilogue : Base {
       T* g_row = g + row * 2 * ffn;
       T* wh_row = wh + row * ffn;
       float dot = 0.f;
+      // The row's g pairs a chunk at a time, every load of a chunk before its
+      // stores: the stores write g in place, so the compiler cannot hoist a
+      // later load above an earlier store, and one load per latency is slow.
+      constexpr int kPairs = size<1>(decltype(acc.layout()){}) / 2;
+      constexpr int kChunk = kPairs < 16 ? kPairs : 16;
+      static_assert(kPairs % kChunk == 0);
       CUTLASS_PRAGMA_UNROLL
-      for (int c = 0; c < size<1>(acc); c += 2) {
-        const int col = col0 + static_cast<int>(get<1>(crd(r, c)));
-        if (row_ok && col < ffn) {  // ffn is a multiple of 8 and col even: col + 1 < ffn too
-          const Pack<T, 2> gate = load_pack<T, 2>(g_row + col);
-          const Pack<T, 2> up = load_pack<T, 2>(g_row + ffn + col);
-          Pack<T, 2> d_gate, d_up, weighted;
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 2; ++j) {
-            const float du = round_through<T>(acc(r, c + j));
-            dot += swiglu_weighted_backward_element<T>(to_float(gate.v[j]), to_float(up.v[j]), du, w, d_gate.v[j],
-                                                       d_up.v[j], weighted.v[j]);
+      for (int c0 = 0; c0 < kPairs; c0 += kChunk) {
+        Pack<T, 2> gate[kChunk], up[kChunk];
+        CUTLASS_PRAGMA_UNROLL
+        for (int p = 0; p < kChunk; ++p) {
+          const int col = col0 + static_cast<int>(get<1>(crd(r, 2 * (c0 + p))));
+          if (row_ok && col < ffn) {
+            gate[p] = load_pack<T, 2>(g_row + col);
+            up[p] = load_pack<T, 2>(g_row + ffn + col);
           }
-          store_pack<T, 2>(g_row + col, d_gate);
-          store_pack<T, 2>(g_row + ffn + col, d_up);
-          store_pack<T, 2>(wh_row + col, weighted);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int p = 0; p < kChunk; ++p) {
+          const int c = 2 * (c0 + p);
+          const int col = col0 + static_cast<int>(get<1>(crd(r, c)));
+          if (row_ok && col < ffn) {  // ffn is a multiple of 8 and col even: col + 1 < ffn too
+            Pack<T, 2> d_gate, d_up, weighted;
+            CUTLASS_PRAGMA_UNROLL
+            for (int j = 0; j < 2; ++j) {
+              const float du = round_through<T>(acc(r, c + j));
+              dot += swiglu_weighted_backward_element<T>(to_float(gate[p].v[j]), to_float(up[p].v[j]), du, w,
+                                                         d_gate.v[j], d_up.v[j], weighted.v[j]);
+            }
+            store_pack<T, 2>(g_row + col, d_gate);
+            store_pack<T, 2>(g_row + ffn + col, d_up);
+            store_pack<T, 2>(wh_row + col, weighted);
+          }
         }
       }
       // A row's columns of the tile are spread over the four lanes of a quad
