@@ -33,7 +33,6 @@ namespace {
 using route::kLanes;
 using route::kThreads;
 using route::kWarps;
-using route::load_row;
 
 constexpr int64_t kMaxPartialRows = 1024;  // CTAs of the forward, each one partials row
 constexpr int kLossThreads = 1024;
@@ -88,7 +87,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_kernel(ForwardParams p
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + warp; t < p.num_tokens; t += warps) {
     const float* row = p.logits + t * p.num_experts;
     float values[kPerLane];
-    load_row(row, p.num_experts, lane, values);
+    route::load_row(row, p.num_experts, lane, values);
     const float lse = logsumexp(values);
     const int chosen = route::choose_topk(values, p.num_experts, p.top_k, lane);
     const float weight = chosen_weight(p.mode, chosen >= 0 ? row[chosen] : -INFINITY, lse);
@@ -205,7 +204,7 @@ __global__ void __launch_bounds__(kThreads) route_softmax_backward_kernel(Backwa
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / kLanes; t < p.num_tokens; t += warps) {
     const float* row = p.logits + t * p.num_experts;
     float values[kPerLane], prob[kPerLane], grad[kPerLane];
-    load_row(row, p.num_experts, lane, values);
+    route::load_row(row, p.num_experts, lane, values);
     const float lse = p.lse[t];
     float aux_dot = 0.f;
 #pragma unroll
@@ -254,8 +253,6 @@ __global__ void __launch_bounds__(kThreads) route_softmax_backward_kernel(Backwa
   }
 }
 
-unsigned grid_for(int64_t num_tokens) { return static_cast<unsigned>(partial_rows(num_tokens)); }
-
 mg_status check_mode(const char* op, int mode) {
   if (mode != MG_ROUTE_SOFTMAX_CHOSEN && mode != MG_ROUTE_SOFTMAX_ALL) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: weights_mode must be MG_ROUTE_SOFTMAX_CHOSEN (0) or "
@@ -296,7 +293,7 @@ extern "C" mg_status mg_route_softmax(const float* logits, int64_t num_tokens, i
   }
   const ForwardParams params{logits, num_tokens, num_experts, top_k, weights_mode, scaling, experts,
                              reinterpret_cast<unsigned long long*>(counts), weights, lse, partials};
-  const unsigned grid = grid_for(num_tokens);
+  const auto grid = static_cast<unsigned>(partial_rows(num_tokens));  // one partials row per CTA
   const size_t smem = sizeof(float) * (num_experts + static_cast<size_t>(kWarps) * (num_experts + 1));
   route::dispatch_per_lane(num_experts, [&](auto per_lane) {
     route_softmax_kernel<decltype(per_lane)::value><<<grid, kThreads, smem, cuda_stream>>>(params);
@@ -328,7 +325,7 @@ extern "C" mg_status mg_route_softmax_backward(const float* logits, const float*
   const BackwardParams params{logits, lse, experts, counts, num_tokens, num_experts, top_k, weights_mode,
                               scaling, grad_weights, grad_losses, grad_logits, out_dtype == MG_BFLOAT16, out};
   auto cuda_stream = static_cast<cudaStream_t>(stream);
-  const unsigned grid = grid_for(num_tokens);
+  const auto grid = static_cast<unsigned>(partial_rows(num_tokens));  // the forward's grid
   route::dispatch_per_lane(num_experts, [&](auto per_lane) {
     route_softmax_backward_kernel<decltype(per_lane)::value><<<grid, kThreads, 0, cuda_stream>>>(params);
   });
