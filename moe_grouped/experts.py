@@ -147,6 +147,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
         g = _fc1(plan, tokens, row_id_map, m_splits, w1)
+        # SwiGLU as its own pass, not in fc1's epilogue: the cooperative kernel's
+        # epilogue overlaps no MMA, and a development build computing h there
+        # from the accumulators (4-byte stores, H100) made fc1 0.40-0.48 ms slower
+        # on Qwen3-like, more than this pass's 0.21 ms; CUTLASS's ping-pong kernels,
+        # whose epilogue does overlap, ran fc1 itself 1.4-2.3x slower.
         h = swiglu(g, backend=plan.activation_backend)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h
