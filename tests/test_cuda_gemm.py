@@ -201,10 +201,17 @@ def _all_kinds(x, weights, m_splits, bias, dy, dtype):
     return results
 
 
+# The tiles are walked along M or along N (heuristic.cpp's raster_along_n picks
+# along N for fprop/dgrad with large groups); MOE_GROUPED_GEMM_RASTER forces
+# one. Only the order in which tiles run differs: bitwise equal results.
+RASTER_ENV = "MOE_GROUPED_GEMM_RASTER"
+RASTERS = ("m", "n", "auto")
+
 # environment variable and its values; every value must give _all_kinds' results bit for bit
 KERNEL_VARIANTS = {
     "tile": (TILE_ENV, TILE_CONFIGS),
     "store_maps": (STORE_MAPS_ENV, STORE_MAPS),
+    "raster": (RASTER_ENV, RASTERS),
 }
 
 
@@ -225,6 +232,29 @@ def test_kernel_variants_match_reference_and_each_other_bitwise(variants, dtype,
         _check(got["fprop+bias"], oracle_fprop(x, weights, splits, bias), dtype, f"fprop+bias {case}")
         _check(got["dgrad"], oracle_dgrad(dy, weights, splits), dtype, f"dgrad {case}")
     _assert_bitwise_equal(results, f"{dtype=} {shape=} {pattern=}")
+
+
+def test_large_groups_tile_order_matches_along_m_bitwise(monkeypatch):
+    """Groups holding 32 MiB of rows each, where the core's rule walks fprop/dgrad along N: same bits as along M."""
+    num_experts, total, k, n = 2, 32768, 1024, 1024  # 16384 rows x 1024 bf16 = 32 MiB per group, 2 MiB weights
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(total, k, generator=gen).bfloat16().cuda()
+    dy = torch.randn(total, n, generator=gen).bfloat16().cuda()
+    w = (torch.randn(num_experts, n, k, generator=gen) / k**0.5).bfloat16().cuda()
+    splits = [total // 2 - 301, total // 2 + 301]
+    m_splits = torch.tensor(splits, dtype=torch.int32, device="cuda")
+    results = {}
+    for value in ("auto", "m"):
+        monkeypatch.setenv(RASTER_ENV, value)
+        results[value] = {"fprop": cuda_backend.fprop(x, [w], m_splits, None, torch.bfloat16),
+                          "dgrad": cuda_backend.dgrad(dy, [w], m_splits, torch.bfloat16)}
+    _assert_bitwise_equal(results, "large groups")
+    got = results["auto"]
+    for e, (start, stop) in enumerate(((0, splits[0]), (splits[0], total))):
+        fprop_ref = (x[start:stop].float() @ w[e].float().t()).double().cpu()
+        dgrad_ref = (dy[start:stop].float() @ w[e].float()).double().cpu()
+        _check(got["fprop"][start:stop], fprop_ref, torch.bfloat16, f"fprop expert {e}")
+        _check(got["dgrad"][start:stop], dgrad_ref, torch.bfloat16, f"dgrad expert {e}")
 
 
 def test_prebuilt_store_maps_replay_with_new_splits(monkeypatch):
@@ -267,6 +297,7 @@ def test_prebuilt_store_maps_replay_with_new_splits(monkeypatch):
 @pytest.mark.parametrize("env, value, message", [
     (TILE_ENV, "coop_1x1x1_c9x9", "MOE_GROUPED_GEMM_TILE=coop_1x1x1_c9x9 names no tile configuration"),
     (STORE_MAPS_ENV, "sometimes", "MOE_GROUPED_GEMM_STORE_MAPS=sometimes: expected prebuilt or in_kernel"),
+    (RASTER_ENV, "diagonal", "MOE_GROUPED_GEMM_RASTER=diagonal: expected auto, m or n"),
 ])
 def test_unknown_kernel_variant_is_refused(env, value, message, monkeypatch):
     monkeypatch.setenv(env, value)

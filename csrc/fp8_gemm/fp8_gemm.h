@@ -40,6 +40,9 @@ struct Fp8GemmCall {
   bool accumulate;          // wgrad only
   int sm_count;
   void* workspace;
+  // The shared launch reads it (gemm/heuristic.h): the FP8 kernels keep
+  // CUTLASS's order along M, the order along N not being measured for them.
+  bool raster_along_n = false;
 };
 
 enum class Fp8Schedule : int { kCooperative = 0, kPingpong = 1 };

@@ -55,6 +55,8 @@ struct GroupedGemmCall {
   // CUTLASS's own D-map updates inside the kernel instead of the prebuilt
   // per-group maps (sm90_prebuilt_store_epilogue.cuh); for A/B measurements.
   bool in_kernel_store_maps = false;
+  // Walk each group's tiles along N instead of along M (heuristic.h).
+  bool raster_along_n = false;
 };
 
 // One compiled kernel configuration.

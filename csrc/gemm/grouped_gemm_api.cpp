@@ -26,6 +26,23 @@ constexpr const char* kTileEnv = "MOE_GROUPED_GEMM_TILE";
 // maps built before it ("prebuilt", the default; sm90_prebuilt_store_epilogue.cuh).
 constexpr const char* kStoreMapsEnv = "MOE_GROUPED_GEMM_STORE_MAPS";
 
+// Measurement and tests: "m" or "n" forces the tile order that
+// raster_along_n (heuristic.cpp) otherwise picks ("auto", or unset).
+constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
+
+mg_status tile_order(const GemmShape& shape, bool* along_n) {
+  const char* value = std::getenv(kRasterEnv);
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "auto") == 0) {
+    *along_n = raster_along_n(shape);
+    return MG_OK;
+  }
+  if (std::strcmp(value, "m") == 0 || std::strcmp(value, "n") == 0) {
+    *along_n = value[0] == 'n';
+    return MG_OK;
+  }
+  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, m or n", kRasterEnv, value);
+}
+
 mg_status in_kernel_store_maps(bool* out) {
   *out = false;
   const char* value = std::getenv(kStoreMapsEnv);
@@ -127,6 +144,8 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   MG_RETURN_IF_ERROR(workspace_get(p->device, p->workspace_slot, bytes, cuda_stream, &workspace));
   set_problem(call, p, sms, workspace);
   MG_RETURN_IF_ERROR(in_kernel_store_maps(&call.in_kernel_store_maps));
+  const GemmShape shape{call.kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+  MG_RETURN_IF_ERROR(tile_order(shape, &call.raster_along_n));
   MG_RETURN_IF_ERROR(entry->run(call, cuda_stream));
   return ok();
 }

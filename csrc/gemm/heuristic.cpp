@@ -80,4 +80,37 @@ TileConfig choose_tile_config(const GemmShape& shape) {
   return TileConfig::kCoop128x256NoCluster;
 }
 
+// The tile order, for 16-bit fprop and dgrad. Along M, a wave of persistent
+// CTAs works down a group's row blocks one N tile at a time, so a group whose
+// rows do not stay in L2 is read from memory once per N tile; along N, a wave
+// covers all N tiles of a few row blocks, so the rows are read once and the
+// weight, if small, stays in L2. Measured on the H100 (2026-11-26, plain bf16
+// fprop, 131072 rows of K = 2048 into N = 1536, E balanced groups, L2
+// flushed, two runs, TFLOP/s along M -> along N): E = 1: 558-587 -> 745;
+// E = 4: 554-586 -> 733-737; E = 8: 555-584 -> 722; E = 16 (32 MiB of rows
+// per group): 626-675 -> 689-694; E = 32 (16 MiB): 651-662 -> 666-667; E =
+// 64: 607-626 -> 636-645. On the issue-19 shapes with top-k splits (1024-
+// 2048 rows per group, 4-16 MiB) along N was 5-10% slower (fc1: Qwen3-like
+// 1.25-1.30 -> 1.33 ms, OLMoE-like 1.67-1.72 -> 1.82, H = 4096 6.6-6.8 ->
+// 7.3). Hence along N only from 32 MiB of rows per group, and only for a
+// weight of at most 8 MiB (measured: 6 MiB; a larger one, read once per row
+// block along N, was not). benchmarks/tile_order.py (results/tile_order-
+// h100.json: Qwen3-like fc1 and fc2, fprop and dgrad, 131072 rows, balanced
+// and skewed, the two orders in interleaved rounds), this rule against along
+// M: 4 experts 1.03-1.24x, 8 experts 1.02-1.19x, 16 experts (32 MiB, the
+// boundary) 0.99-1.12x; the cases it keeps along M read 0.98-1.03x (the same
+// kernel twice). wgrad keeps along M: its operands both grow with the group,
+// and walking its shorter side measured within noise (see
+// sm90_grouped_gemm.cuh).
+bool raster_along_n(const GemmShape& shape) {
+  if (shape.kind == MG_GEMM_WGRAD || shape.num_groups <= 0) return false;
+  constexpr double kElementBytes = 2.0;  // the 16-bit kernels this order is measured for
+  constexpr double kMiB = 1024.0 * 1024.0;
+  const double rows_per_group = static_cast<double>(shape.total_rows) / shape.num_groups;
+  const double row_elements = static_cast<double>(shape.kind == MG_GEMM_FPROP ? shape.k : shape.n);
+  const double group_rows_bytes = rows_per_group * row_elements * kElementBytes;
+  const double weight_bytes = static_cast<double>(shape.n) * static_cast<double>(shape.k) * kElementBytes;
+  return group_rows_bytes >= 32 * kMiB && weight_bytes <= 8 * kMiB;
+}
+
 }  // namespace moe_grouped::gemm

@@ -46,4 +46,10 @@ struct GemmShape {
 // M / E, and never reads m_splits.
 TileConfig choose_tile_config(const GemmShape& shape);
 
+// Whether the scheduler walks each group's tiles along N (every N tile of a
+// row block before the next row block) rather than along M, CUTLASS's order
+// for grouped problems. Only the order of the tiles changes: the results are
+// bitwise the same. From the mean rows per group, like the tile choice.
+bool raster_along_n(const GemmShape& shape);
+
 }  // namespace moe_grouped::gemm

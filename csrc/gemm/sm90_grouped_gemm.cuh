@@ -449,11 +449,17 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
       args.epilogue.dC = w.stride_d;
     }
   }
-  // The tiles are walked in CUTLASS's default order for grouped problems
-  // (along M, no swizzle: the shapes are on the device). For wgrad, walking
-  // along the shorter side of dW instead (chosen from n and k, so that a wave
-  // holds less of a large group's operands in L2) measured 0.98-1.03x (FP8)
-  // and 0.94-1.13x (bf16) on the H100, within run-to-run noise: not kept.
+  // The tiles are walked along M, CUTLASS's default order for grouped
+  // problems (no swizzle: the shapes are on the device), or along N where
+  // heuristic.cpp's raster_along_n says the group's rows would otherwise be
+  // read once per N tile. For wgrad, walking along the shorter side of dW
+  // (chosen from n and k, so that a wave holds less of a large group's
+  // operands in L2) measured 0.98-1.03x (FP8) and 0.94-1.13x (bf16) on the
+  // H100, within run-to-run noise: not kept.
+  if (call.raster_along_n) {
+    using RasterOrder = decltype(args.scheduler.raster_order);
+    args.scheduler.raster_order = RasterOrder::AlongN;
+  }
   args.hw_info.device_id = device;
   args.hw_info.sm_count = call.sm_count;
   return launch_gemm<G>(args, w, stream, call.num_groups, call.n, call.k);
