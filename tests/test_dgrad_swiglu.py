@@ -63,13 +63,17 @@ SHAPES = [(4, 64, 136), (8, 256, 1408), (6, 512, 768), (3, 128, 8)]
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("layout", ["grouped", "separate"])
 @pytest.mark.parametrize("weighted", [True, False])
-def test_gpu_fused_dgrad_swiglu_equals_the_dgrad_then_the_pass(experts, hidden, ffn, pattern, layout, weighted):
+@pytest.mark.parametrize("raster", ["auto", "n"])
+def test_gpu_fused_dgrad_swiglu_equals_the_dgrad_then_the_pass(experts, hidden, ffn, pattern, layout, weighted, raster,
+                                                               monkeypatch):
+    """Also with the tiles walked along N (MOE_GROUPED_GEMM_RASTER=n), as large groups are."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_RASTER", raster)
     require_fused_kernel()
     torch.manual_seed(experts * ffn + hidden)
     real = 777
     rows = real + 37  # a capacity-style tail no expert computes
     splits = make_splits(pattern, experts, real, seed=ffn)
-    case = f"{experts=} {hidden=} {ffn=} {pattern=} {layout=} {weighted=} {splits=}"
+    case = f"{experts=} {hidden=} {ffn=} {pattern=} {layout=} {weighted=} {raster=} {splits=}"
     dy = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     g = (torch.randn(rows, 2 * ffn, device="cuda") * 3).to(torch.bfloat16)
     w = torch.rand(rows, device="cuda") if weighted else None

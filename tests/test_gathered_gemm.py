@@ -178,10 +178,14 @@ def _assert_bitwise(got, expected, case):
 @pytest.mark.parametrize("index_pattern", INDEX_PATTERNS)
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_cuda_fprop_dgrad_gathered_equal_plain_kernels(shape, pattern, index_pattern):
+@pytest.mark.parametrize("raster", ["auto", "n"])
+def test_cuda_fprop_dgrad_gathered_equal_plain_kernels(raster, shape, pattern, index_pattern, monkeypatch):
+    """Also with the tiles walked along N (MOE_GROUPED_GEMM_RASTER=n), as large groups are: the plain
+    kernels' order is checked against the oracle in test_cuda_gemm."""
+    monkeypatch.setenv("MOE_GROUPED_GEMM_RASTER", raster)
     m_splits, index, x, dout, w = _operands(shape, pattern, index_pattern)
     for out_dtype in (torch.bfloat16, torch.float32):
-        case = f"{shape=} {pattern=} {index_pattern=} {out_dtype=}"
+        case = f"{raster=} {shape=} {pattern=} {index_pattern=} {out_dtype=}"
         _assert_bitwise(cuda_backend.fprop_gathered(x, index, w, m_splits, out_dtype),
                         cuda_backend.fprop(gather_rows(x, index), w, m_splits, None, out_dtype), "fprop " + case)
         _assert_bitwise(cuda_backend.dgrad_gathered(dout, index, w, m_splits, out_dtype),
