@@ -90,7 +90,7 @@ TileConfig choose_tile_config(const GemmShape& shape) {
 // E = 4: 554-586 -> 733-737; E = 8: 555-584 -> 722; E = 16 (32 MiB of rows
 // per group): 626-675 -> 689-694; E = 32 (16 MiB): 651-662 -> 666-667; E =
 // 64: 607-626 -> 636-645. On the issue-19 shapes with top-k splits (1024-
-// 2048 rows per group, 4-16 MiB) along N was 5-10% slower (fc1: Qwen3-like
+// 2048 rows per group, 4-16 MiB) along N was 2-11% slower (fc1: Qwen3-like
 // 1.25-1.30 -> 1.33 ms, OLMoE-like 1.67-1.72 -> 1.82, H = 4096 6.6-6.8 ->
 // 7.3). Hence along N only from 32 MiB of rows per group, and only for a
 // weight of at most 8 MiB (measured: 6 MiB; a larger one, read once per row
