@@ -13,7 +13,7 @@ along M, as controls.
 Backends, one process, same data, median of CUDA-event-timed runs with a
 256 MB L2 flush before each (the two cuda rows in interleaved rounds, the
 median of the rounds' medians, since the same kernel timed twice in a row
-read up to 7% apart):
+read up to 11% apart):
   cuda          the core, its own choice of order
   cuda:along_m  the core forced along M (MOE_GROUPED_GEMM_RASTER=m): the order before
   torch         torch._grouped_mm
