@@ -105,9 +105,9 @@ size_t workspace_bytes(mg_gemm_kind kind, mg_dtype dtype, int num_groups, int sm
   return bytes;
 }
 
-mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype out_dtype,
-                        Variant variant, const KernelEntry** out) {
-  GemmShape shape{kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+// The kernel for a problem: the heuristic's (or MOE_GROUPED_GEMM_TILE's) tile
+// configuration, else kCoop128x256, else the first one built for the rest.
+mg_status select_kernel(const GemmShape& shape, Variant variant, const KernelEntry** out) {
   TileConfig config = choose_tile_config(shape);
   if (const char* forced = std::getenv(kTileEnv); forced != nullptr && forced[0] != '\0') {
     if (!parse_tile_config(forced, &config)) {
@@ -115,13 +115,15 @@ mg_status select_kernel(const mg_grouped_problem* p, mg_gemm_kind kind, mg_dtype
                   kTileEnv, forced, tile_config_name(TileConfig::kCoop128x256));
     }
   }
-  const KernelEntry* entry = find_kernel(kind, p->dtype, out_dtype, config, variant);
-  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCoop128x256, variant);
-  if (entry == nullptr) entry = find_kernel(kind, p->dtype, out_dtype, TileConfig::kCount, variant);
+  const mg_gemm_kind kind = shape.kind;
+  const KernelEntry* entry = find_kernel(kind, shape.dtype, shape.out_dtype, config, variant);
+  if (entry == nullptr) entry = find_kernel(kind, shape.dtype, shape.out_dtype, TileConfig::kCoop128x256, variant);
+  if (entry == nullptr) entry = find_kernel(kind, shape.dtype, shape.out_dtype, TileConfig::kCount, variant);
   if (entry == nullptr) {
     return fail(MG_ERROR_UNSUPPORTED, "no %sgrouped %s%s kernel is built for %s operands and %s output",
                 variant.gathered ? "gathered " : "", kind_name(kind),
-                variant.swiglu_backward ? " (SwiGLU backward)" : "", dtype_name(p->dtype), dtype_name(out_dtype));
+                variant.swiglu_backward ? " (SwiGLU backward)" : "", dtype_name(shape.dtype),
+                dtype_name(shape.out_dtype));
   }
   *out = entry;
   return MG_OK;
@@ -137,14 +139,15 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   Variant variant;
   variant.gathered = call.gather_a.index != nullptr || call.gather_b.index != nullptr;
   variant.swiglu_backward = call.swiglu.g != nullptr;
-  MG_RETURN_IF_ERROR(select_kernel(p, call.kind, out_dtype, variant, &entry));
+  // Both choices (kernel, tile order) come from the host-side shape alone.
+  const GemmShape shape{call.kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+  MG_RETURN_IF_ERROR(select_kernel(shape, variant, &entry));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   size_t bytes = workspace_bytes(call.kind, p->dtype, p->num_groups, sms);
   void* workspace = nullptr;
   MG_RETURN_IF_ERROR(workspace_get(p->device, p->workspace_slot, bytes, cuda_stream, &workspace));
   set_problem(call, p, sms, workspace);
   MG_RETURN_IF_ERROR(in_kernel_store_maps(&call.in_kernel_store_maps));
-  const GemmShape shape{call.kind, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
   MG_RETURN_IF_ERROR(tile_order(shape, &call.raster_along_n));
   MG_RETURN_IF_ERROR(entry->run(call, cuda_stream));
   return ok();
