@@ -34,7 +34,13 @@ bool parse_tile_config(const char* name, TileConfig* out) {
 // for skewed splits, whose partial last tile per expert the smaller tiles
 // were meant to shrink), and for wgrad into an fp32 main_grad on all but one
 // shape (E=32, K=7168, N=2048, where ping-pong 128x128 was 3-11% faster),
-// so it was the only configuration built.
+// so it was the only configuration built. Ping-pong 128x128 again for bf16
+// wgrad into bf16 (the fused experts path's dW, whose short K per expert
+// leaves the cooperative epilogue unhidden), against the core's choice,
+// H100 2026-11-26, the five issue-19 shapes with top-k splits, graphed,
+// interleaved: 0.88-1.00x with the 2x1 cluster (Qwen3-, OLMoE-, DeepSeek-
+// V2-Lite-like, Mixtral-like fc2), 0.54-0.74x for H = 4096 and Mixtral-like
+// fc1; 0.52-0.90x without a cluster. Not built.
 //
 // fprop and dgrad then moved to the same tile without a cluster. CUTLASS's
 // grouped scheduler rounds each group's tile count up to the cluster shape,

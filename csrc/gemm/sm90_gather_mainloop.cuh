@@ -49,6 +49,19 @@
 // faster); and the MN-major copies shuffling a 64-bit row offset worked out
 // once per k-tile, with the line offsets as immediates (fc1 wgrad 0.67 ->
 // 0.72x, but fc2 wgrad 0.79 -> 0.77x and 0.66-0.71 -> 0.62-0.64x).
+//
+// Also dropped: fprop/dgrad writing the gathered A tiles back as the permuted
+// copy (fc2's dgrad would then hand fc2's wgrad its dy rows and the
+// backward's gather pass would go). The leader stored each k-tile from its
+// stage by TMA through A's own per-group map (clipped at m_e) and, since the
+// copies of the next fill go to that stage, had to wait for the store to read
+// it before the warps' named barrier: with four stages there is no slack to
+// hide that wait. H100, 2026-11-26, the five issue-19 shapes, one process:
+// as its own instantiation the copy variant took 1.3-2.0x the gathered
+// kernel's time (0.56-0.73x as fast as the gather pass plus the plain
+// kernel); as a runtime switch in this shared producer code it also made
+// the gathered kernels with the stores off about 1.5x slower (Qwen3-like
+// fc2 dgrad 0.65 -> 0.97-1.03 ms), the producer warps' 40 registers again.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
