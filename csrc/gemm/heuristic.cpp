@@ -65,7 +65,10 @@ bool parse_tile_config(const char* name, TileConfig* out) {
 // the same kernel under two names read 0.91-1.06x, which is the noise):
 // - fprop/dgrad without a cluster, 128x64 against 128x32: 1.009x geometric
 //   mean over 40 cases (0.975-1.051). Not distinguishable from the noise, so
-//   not built.
+//   not built. Nor were more shared-memory buffers for those pieces, so that
+//   the epilogue never waits for a store to drain (CUTLASS's builder gives
+//   two; 2026-11-26, same 40 cases): four 1.003x (0.972-1.024), eight, which
+//   leave three mainloop stages, 0.996x (0.951-1.048).
 // - bf16 wgrad with the 2x1 cluster: it reads C, so 128x64 pieces leave three
 //   mainloop stages instead of four. Two runs (32 wgrad cases each):
 //   fc1 of the four fine-grained shapes (M = 2I = 1536-2816 output features,
