@@ -62,6 +62,12 @@
 // kernel); as a runtime switch in this shared producer code it also made
 // the gathered kernels with the stores off about 1.5x slower (Qwen3-like
 // fc2 dgrad 0.65 -> 0.97-1.03 ms), the producer warps' 40 registers again.
+// And a 256x128 tile for the gathered wgrad, which halves the gathered
+// bytes per k-tile of fc1's (x's 64 rows x 128 columns instead of 256) for
+// the same MMA work: against the plain kernel on a ready copy, fc1 0.69-
+// 0.74x (0.62-0.75x on 128x256 in the same run), fc2 0.62-0.70x (0.70-
+// 0.75x); so not the bytes alone, and still slower than the copy plus the
+// plain kernel everywhere (H100, 2026-11-26, five shapes, no cluster).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
