@@ -67,7 +67,10 @@
 // the same MMA work: against the plain kernel on a ready copy, fc1 0.69-
 // 0.74x (0.62-0.75x on 128x256 in the same run), fc2 0.62-0.70x (0.70-
 // 0.75x); so not the bytes alone, and still slower than the copy plus the
-// plain kernel everywhere (H100, 2026-11-26, five shapes, no cluster).
+// plain kernel everywhere (H100, 2026-11-26, five shapes, no cluster). Nor
+// the index's latency: loading the MN-major indices 2 or 4 k-tiles ahead
+// instead of 1 (a few registers) gave 0.62-0.83x of the plain kernel against
+// 0.60-0.77x, shape by shape within the run-to-run spread (same day).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
