@@ -71,6 +71,12 @@
 // the index's latency: loading the MN-major indices 2 or 4 k-tiles ahead
 // instead of 1 (a few registers) gave 0.62-0.83x of the plain kernel against
 // 0.60-0.77x, shape by shape within the run-to-run spread (same day).
+// What ncu shows instead (fc1's gathered wgrad, Qwen3-like, same day): 45%
+// of the warp samples are the consumers waiting on a stage's full barrier,
+// 16% the producer warps' copy code, and the producers' wait for a free
+// stage had to retry on 71% and 20% of their k-tiles: they are often a whole
+// pipeline ahead, so the four stages in flight do not cover the gathered
+// copies' latency; issuing the copies is no longer the limit.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
