@@ -76,7 +76,9 @@
 // 16% the producer warps' copy code, and the producers' wait for a free
 // stage had to retry on 71% and 20% of their k-tiles: they are often a whole
 // pipeline ahead, so the four stages in flight do not cover the gathered
-// copies' latency; issuing the copies is no longer the limit.
+// copies' latency; issuing the copies is no longer the limit. An L2
+// prefetch of each lane's next-but-two token row (cp.async.bulk.prefetch,
+// 512 bytes) made it far worse: 0.37-0.54x of the plain kernel.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
