@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import L2Flush, print_table, time_ms, write_results  # noqa: E402
+from experts_gemm_tiles import forced  # noqa: E402
 from grouped_gemm import SPLITS, Problem, shape_name, warm_up_clocks  # noqa: E402
 
 ROWS = 131072
@@ -50,12 +51,10 @@ ROUNDS = 4  # interleaved rounds of the two cuda rows
 
 def timed(problem: Problem, op: str, backend: str, flush: L2Flush, repeats: int) -> float:
     if backend == "cuda:along_m":
-        os.environ[RASTER_ENV] = "m"
-        try:
-            return time_ms(problem.cuda_op(op), repeats=repeats, flush=flush)
-        finally:
-            os.environ.pop(RASTER_ENV)
-    return time_ms(getattr(problem, f"{backend}_op")(op), repeats=repeats, flush=flush)
+        fn = forced({RASTER_ENV: "m"}, problem.cuda_op(op))
+    else:
+        fn = getattr(problem, f"{backend}_op")(op)
+    return time_ms(fn, repeats=repeats, flush=flush)
 
 
 def main() -> None:
