@@ -81,9 +81,9 @@
 // (40%) for 1.74 ms against 1.28 ms, so about 2.3 GB read and written
 // against 1.7 GB although x is an eighth of the copy's size, and an L2 hit
 // rate of 73% against 78%: the gathered rows are fetched from DRAM again and
-// again, and those misses are the latency. An L2
-// prefetch of each lane's next-but-two token row (cp.async.bulk.prefetch,
-// 512 bytes) made it far worse: 0.37-0.54x of the plain kernel.
+// again, the likely source of that latency (not established). An L2 prefetch
+// of each lane's next-but-two token row (cp.async.bulk.prefetch, 512 bytes)
+// made it far worse: 0.37-0.54x of the plain kernel.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
