@@ -151,7 +151,14 @@ class FusedExpertsFunction(torch.autograd.Function):
         # epilogue overlaps no MMA, and a development build computing h there
         # from the accumulators (4-byte stores, H100) made fc1 0.40-0.48 ms slower
         # on Qwen3-like, more than this pass's 0.21 ms; CUTLASS's ping-pong kernels,
-        # whose epilogue does overlap, ran fc1 itself 1.4-2.3x slower.
+        # whose epilogue does overlap, ran fc1 itself 1.4-2.3x slower. A ping-pong
+        # kernel of our own (development build, 64x256 per consumer warpgroup)
+        # with h in its epilogue was bitwise equal and 1.06-1.23x as fast as the
+        # core's fc1 plus this pass on Qwen3-, OLMoE- and DSv2-Lite-like (0.96x
+        # at H=4096), with fc1 reading a ready permuted copy; reading x through
+        # the routing index (cp.async by its producer warpgroup) its fc1 ran
+        # 0.50-0.69x of the core's gathered fc1, so this path keeps the gathered
+        # kernel and the pass.
         h = swiglu(g, backend=plan.activation_backend)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h
