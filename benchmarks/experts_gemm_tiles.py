@@ -18,6 +18,9 @@ L2 flush before each):
   cuda:in_kernel_maps  the core's tile, D stored through CUTLASS's per-CTA tensor
                  maps rewritten in the kernel at each change of group
                  (MOE_GROUPED_GEMM_STORE_MAPS=in_kernel), as before the prebuilt maps
+  cuda:cutlass_fprop  every fprop on the cooperative CUTLASS kernel, none on the
+                 core's ping-pong kernel (MOE_GROUPED_GEMM_FPROP=cutlass); in
+                 the layer step also fc1's SwiGLU as its own pass
   cuda           the core's own choice (csrc/gemm/heuristic.cpp, prebuilt maps)
   torch          torch._grouped_mm
   loop           one matmul per expert over host-known bounds
@@ -57,9 +60,11 @@ from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
 
 CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1", "coop_128x256x64_c2x1_e128x64")
 STORE_MAPS_ENV = "MOE_GROUPED_GEMM_STORE_MAPS"
+FPROP_ENV = "MOE_GROUPED_GEMM_FPROP"
 # backend name -> the environment the core runs under; "cuda" is the core's own choice
 VARIANTS = {**{f"cuda:{config}": {TILE_ENV: config} for config in CONFIGS},
-            "cuda:in_kernel_maps": {STORE_MAPS_ENV: "in_kernel"}}
+            "cuda:in_kernel_maps": {STORE_MAPS_ENV: "in_kernel"},
+            "cuda:cutlass_fprop": {FPROP_ENV: "cutlass"}}
 OPS = ("fc1_fprop", "fc2_fprop", "fc2_dgrad", "fc1_dgrad", "fc2_wgrad", "fc1_wgrad")
 SPLITS = ("topk_random", "balanced")
 
@@ -140,14 +145,14 @@ def forced(env: dict, fn):
     return run
 
 
-def replays(problem: Experts, op: str) -> dict:
+def replays(problem: Experts, op: str, variants: dict) -> dict:
     """Backend name -> graph replay of op. Checks every variant agrees bitwise with the core's choice."""
     core = problem.core(op)
     expected = core().clone()
-    for backend, env in VARIANTS.items():
+    for backend, env in variants.items():
         if not torch.equal(forced(env, core)(), expected):
             raise AssertionError(f"{op}: {backend} differs from the core's choice")
-    runs = {backend: graphed(forced(env, core)) for backend, env in VARIANTS.items()}
+    runs = {backend: graphed(forced(env, core)) for backend, env in variants.items()}
     runs["cuda"] = graphed(core)
     for backend in ("torch", "loop", "dense"):
         runs[backend] = graphed(problem.reference(op, backend))
@@ -163,16 +168,21 @@ def rounds_parser(doc: str):
 
 
 def main() -> None:
-    args = rounds_parser(__doc__).parse_args()
+    parser = rounds_parser(__doc__)
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    parser.add_argument("--splits", default=",".join(SPLITS), help="comma-separated, of " + ", ".join(SPLITS))
+    args = parser.parse_args()
     names = shape_names(args.shapes, SHAPES)
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    splits = [name for name in args.splits.split(",") if name in SPLITS]
     flush = L2Flush()
     warm_up_clocks()
     rows = []
     for name in names:
-        for splits_kind in SPLITS:
+        for splits_kind in splits:
             problem = Experts(SHAPES[name], splits_kind)
             for op in OPS:
-                runs = replays(problem, op)
+                runs = replays(problem, op, variants)
                 times = timed_rounds(runs, args.rounds, flush, per_round=3)
                 for backend, ts in times.items():
                     ms = statistics.median(ts)
@@ -185,9 +195,9 @@ def main() -> None:
             del problem
             torch.cuda.empty_cache()
     if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush, VARIANTS, "experts_gemm_tiles")
+        rows += layer_rows(names, args.rounds, flush, variants, "experts_gemm_tiles")
     print_table(rows, "tflops")
-    summarize(rows)
+    summarize(rows, variants)
     print(f"wrote {write_results('experts_gemm_tiles', rows)}")
 
 
@@ -255,12 +265,13 @@ def summarize_layer(rows, variants) -> None:
                 f"{backend} {layer[(shape, backend + mode)] / new:.3f}x" for backend in variants))
 
 
-def summarize(rows) -> None:
+def summarize(rows, variants: dict) -> None:
     """Speed of the core's choice relative to each variant, per split: min, geometric mean, max over ops."""
     choice = {(r["op"], r["shape"], r["splits"]): r["ms"] for r in rows if r["backend"] == "cuda"}
-    summarize_layer(rows, VARIANTS)
-    for backend in VARIANTS:
-        for splits_kind in SPLITS:
+    if any(r["op"] == "layer_fwd_bwd" for r in rows):
+        summarize_layer(rows, variants)
+    for backend in variants:
+        for splits_kind in dict.fromkeys(r["splits"] for r in rows if r["op"] != "layer_fwd_bwd"):
             for kinds in (("fprop", "dgrad"), ("wgrad",)):
                 ratios = [r["ms"] / choice[(r["op"], r["shape"], r["splits"])] for r in rows
                           if r["backend"] == backend and r["splits"] == splits_kind and r["op"].endswith(kinds)]

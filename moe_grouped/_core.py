@@ -36,6 +36,7 @@ CAP_FP8_QUANTIZE = 16
 CAP_SWIGLU = 32
 CAP_GATHERED_GEMM = 64
 CAP_DGRAD_SWIGLU = 128
+CAP_FPROP_SWIGLU = 256
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -180,6 +181,10 @@ _PROTOTYPES = {
     "mg_grouped_fprop_gathered": (
         ctypes.c_int,
         [ctypes.POINTER(GroupedProblem), _vp, RowGather, GroupOperand, _vp, ctypes.c_int, _vp],
+    ),
+    "mg_grouped_fprop_swiglu": (
+        ctypes.c_int,
+        [ctypes.POINTER(GroupedProblem), _vp, ctypes.POINTER(RowGather), GroupOperand, _vp, _vp, _vp],
     ),
     "mg_grouped_dgrad_swiglu": (
         ctypes.c_int,

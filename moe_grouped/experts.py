@@ -99,6 +99,27 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
     return torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
 
 
+def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m_splits: torch.Tensor,
+                w1: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1's output g [R, 2I] and h = swiglu(g) [R, I].
+
+    On the ``cuda`` backends (GEMM and activation) with bf16 operands, one op:
+    the core computes h in fc1's epilogue where its ping-pong fprop takes the
+    problem and is preferred (csrc/gemm/heuristic.cpp: K <= 2048), bitwise the
+    GEMM followed by the SwiGLU pass, and runs the two otherwise. Measured on
+    the H100 against the gathered cooperative fc1 plus the pass: 1.02-1.07x on
+    Qwen3-, OLMoE- and DSv2-Lite-like, where the cooperative kernel's
+    epilogue, which overlaps no MMA, had made SwiGLU there 0.40-0.48 ms slower
+    than the pass (Qwen3-like).
+    """
+    if (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
+            and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1)):
+        index = source_rows(row_id_map, plan.top_k, plan.num_rows) if plan.routed else None
+        return torch.ops.moe_grouped.grouped_fprop_swiglu(tokens, index, w1, m_splits)
+    g = _fc1(plan, tokens, row_id_map, m_splits, w1)
+    return g, swiglu(g, backend=plan.activation_backend)
+
+
 def _permuted_weights(plan: Plan, probs: torch.Tensor, row_id_map: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[R] routing weight of each permuted row (0 for rows no copy maps to).
 
@@ -146,20 +167,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, fc1_delayed, fc2_delayed, *weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
-        g = _fc1(plan, tokens, row_id_map, m_splits, w1)
-        # SwiGLU as its own pass, not in fc1's epilogue: the cooperative kernel's
-        # epilogue overlaps no MMA, and a development build computing h there
-        # from the accumulators (4-byte stores, H100) made fc1 0.40-0.48 ms slower
-        # on Qwen3-like, more than this pass's 0.21 ms; CUTLASS's ping-pong kernels,
-        # whose epilogue does overlap, ran fc1 itself 1.4-2.3x slower. A ping-pong
-        # kernel of our own (development build, 64x256 per consumer warpgroup)
-        # with h in its epilogue was bitwise equal and 1.06-1.23x as fast as the
-        # core's fc1 plus this pass on Qwen3-, OLMoE- and DSv2-Lite-like (0.96x
-        # at H=4096), with fc1 reading a ready permuted copy; reading x through
-        # the routing index (cp.async by its producer warpgroup) its fc1 ran
-        # 0.50-0.69x of the core's gathered fc1, so this path keeps the gathered
-        # kernel and the pass.
-        h = swiglu(g, backend=plan.activation_backend)
+        g, h = _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h
         if plan.routed:

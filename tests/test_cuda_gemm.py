@@ -207,11 +207,20 @@ def _all_kinds(x, weights, m_splits, bias, dy, dtype):
 RASTER_ENV = "MOE_GROUPED_GEMM_RASTER"
 RASTERS = ("m", "n", "auto")
 
+# A bf16 fprop into bf16 runs on the core's ping-pong kernel where it takes the
+# problem (K a multiple of 64: the E=256 shape here) and the heuristic prefers it;
+# MOE_GROUPED_GEMM_FPROP forces it or the cooperative kernel. Same wgmma
+# instructions over the same k-tiles in the same order: bitwise equal results
+# (tests/test_pingpong_fprop.py covers its own shapes and the gathered kernel).
+FPROP_ENV = "MOE_GROUPED_GEMM_FPROP"
+FPROP_KERNELS = ("pingpong", "cutlass", "auto")
+
 # environment variable and its values; every value must give _all_kinds' results bit for bit
 KERNEL_VARIANTS = {
     "tile": (TILE_ENV, TILE_CONFIGS),
     "store_maps": (STORE_MAPS_ENV, STORE_MAPS),
     "raster": (RASTER_ENV, RASTERS),
+    "fprop": (FPROP_ENV, FPROP_KERNELS),
 }
 
 

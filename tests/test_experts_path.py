@@ -326,7 +326,7 @@ class SplitRoutedMoE(nn.Module):
 
 # Two shapes scaled down from the benchmark's: fine-grained (Qwen3-like) and Mixtral-like with dropping.
 REPLAY_SHAPES = {
-    "qwen3_like": (dict(tokens=512, hidden=256, ffn=96, num_experts=32, top_k=8), {}),
+    "qwen3_like": (dict(tokens=512, hidden=256, ffn=128, num_experts=32, top_k=8), {}),
     "mixtral_like_dropping": (dict(tokens=256, hidden=256, ffn=512, num_experts=8, top_k=2),
                               dict(capacity_factor=1.0, drop_policy="probs")),
 }

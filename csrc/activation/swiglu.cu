@@ -16,6 +16,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "activation/swiglu_backward_math.cuh"
 #include "core/elementwise.cuh"
 #include "core/error.h"
 
@@ -30,7 +31,7 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)
 // The stored silu(gate), rounded like torch's silu output.
 template <typename T>
 __device__ __forceinline__ float silu_stored(float gate) {
-  return to_float(from_float<T>(gate / (1.f + expf(-gate))));
+  return round_through<T>(gate / (1.f + expf(-gate)));
 }
 
 // Calls f(row, col) for every pack of V consecutive columns of a [rows, ffn]
@@ -57,7 +58,7 @@ __global__ void __launch_bounds__(kThreads)
     Pack<T, V> out;
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      out.v[j] = from_float<T>(silu_stored<T>(to_float(gate.v[j])) * to_float(up.v[j]));
+      out.v[j] = from_float<T>(swiglu_forward_element<T>(to_float(gate.v[j]), to_float(up.v[j])));
     }
     store_pack<T, V>(y + row * ffn + col, out);
   });

@@ -1,8 +1,13 @@
-// One element of the fused experts path's weighted SwiGLU backward, shared by
-// the standalone pass (swiglu_weighted_backward.cu) and fc2's dgrad epilogue
-// (gemm/sm90_swiglu_backward_epilogue.cuh), so that both round alike and the
-// epilogue's dg and wh are bitwise the pass's.
+// One element of SwiGLU, shared by the standalone passes (swiglu.cu,
+// swiglu_weighted_backward.cu) and the GEMM epilogues that fuse them
+// (gemm/sm90_pingpong_fprop_bf16.cu's fc1, gemm/sm90_swiglu_backward_epilogue.cuh's
+// fc2 dgrad), so that all round alike and the epilogues' results are bitwise
+// the passes'.
 //
+// Forward, from gate x and up u as stored in T: h = T(T(silu(x)) * u), the
+// rounding of torch's composed silu(gate) * up.
+//
+// The fused experts path's weighted backward:
 // From gate x, up u, the unweighted fc2 input gradient du (as stored in T)
 // and the routing weight w, with the composed torch ops' roundings (T(.)):
 //   a = T(silu(x))   h = T(a * u)   wh = T(w * h)
@@ -18,6 +23,12 @@ namespace moe_grouped {
 template <typename T>
 __device__ __forceinline__ float round_through(float x) {
   return to_float(from_float<T>(x));
+}
+
+// h before its final rounding: the caller rounds (or packs) it to T.
+template <typename T>
+__device__ __forceinline__ float swiglu_forward_element(float x, float u) {
+  return round_through<T>(x / (1.f + expf(-x))) * u;
 }
 
 template <typename T>

@@ -31,6 +31,9 @@ uint32_t capabilities() {
 #ifdef MG_HAVE_SWIGLU
   caps |= MG_CAP_SWIGLU;
 #endif
+#if defined(MG_HAVE_GROUPED_GEMM_16BIT) && defined(MG_HAVE_SWIGLU)
+  caps |= MG_CAP_FPROP_SWIGLU;
+#endif
   return caps;
 }
 
@@ -45,6 +48,7 @@ std::string describe() {
   if (caps & MG_CAP_PERMUTE) info += ", permute";
   if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize";
   if (caps & MG_CAP_SWIGLU) info += ", swiglu";
+  if (caps & MG_CAP_FPROP_SWIGLU) info += ", fprop_swiglu_bf16";
   return info;
 }
 

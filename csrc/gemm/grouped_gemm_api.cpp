@@ -30,6 +30,12 @@ constexpr const char* kStoreMapsEnv = "MOE_GROUPED_GEMM_STORE_MAPS";
 // raster_along_n (heuristic.cpp) otherwise picks ("auto", or unset).
 constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
 
+// Measurement and tests: "pingpong" or "cutlass" forces the bf16 fprop's
+// kernel wherever the ping-pong kernel fits; "auto" (or unset) follows
+// prefer_pingpong_fprop, except that a forced MOE_GROUPED_GEMM_TILE (a
+// cooperative configuration) means "cutlass".
+constexpr const char* kFpropEnv = "MOE_GROUPED_GEMM_FPROP";
+
 mg_status tile_order(const GemmShape& shape, bool* along_n) {
   const char* value = std::getenv(kRasterEnv);
   if (value == nullptr || value[0] == '\0' || std::strcmp(value, "auto") == 0) {
@@ -153,6 +159,39 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   return ok();
 }
 
+// Runs the fprop on the ping-pong kernel (sm90_pingpong_fprop_bf16.cu) when
+// the call is one it takes (bf16 in and out, no bias, W one tensor, within
+// pingpong_fprop_fits) and the heuristic or MOE_GROUPED_GEMM_FPROP picks it;
+// *ran says whether it did. h non-NULL: SwiGLU in the epilogue.
+mg_status try_pingpong_fprop(const mg_grouped_problem* p, const void* x, const RowGather& gather,
+                             const mg_group_operand& weight, const void* bias, void* out, mg_dtype out_dtype,
+                             void* h, void* stream, bool* ran) {
+  *ran = false;
+  if (p->dtype != MG_BFLOAT16 || out_dtype != MG_BFLOAT16 || bias != nullptr || weight.base == nullptr) {
+    return MG_OK;
+  }
+  PingPongFprop call{p->num_groups, p->total_rows, p->n, p->k, p->m_splits, p->splits_dtype, x, gather,
+                     weight.base, weight.group_stride, out, h, 0};
+  if (!pingpong_fprop_fits(call)) return MG_OK;
+  const GemmShape shape{MG_GEMM_FPROP, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+  const char* tile = std::getenv(kTileEnv);
+  bool chosen = (tile == nullptr || tile[0] == '\0') && prefer_pingpong_fprop(shape, gather.index != nullptr, h != nullptr);
+  if (const char* value = std::getenv(kFpropEnv); value != nullptr && value[0] != '\0' &&
+                                                   std::strcmp(value, "auto") != 0) {
+    if (std::strcmp(value, "pingpong") != 0 && std::strcmp(value, "cutlass") != 0) {
+      return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, pingpong or cutlass", kFpropEnv, value);
+    }
+    chosen = value[0] == 'p';
+  }
+  if (!chosen) return MG_OK;
+  DeviceGuard guard;
+  MG_RETURN_IF_ERROR(guard.enter(p->device));
+  MG_RETURN_IF_ERROR(sm_count(p->device, &call.sm_count));
+  MG_RETURN_IF_ERROR(pingpong_fprop_bf16(call, static_cast<cudaStream_t>(stream)));
+  *ran = true;
+  return MG_OK;
+}
+
 // A gathered operand: a device index and a bf16 source of 1 .. 2^31 - 1 rows
 // (TMA row coordinates are 32-bit), `cols` wide. Only bf16 kernels gather.
 mg_status check_gather(const mg_grouped_problem* p, const char* op, const char* name,
@@ -206,6 +245,9 @@ mg_status mg_grouped_fprop(const mg_grouped_problem* p, const void* x, mg_group_
   MG_RETURN_IF_ERROR(check_aligned(op, "y", y, empty));
   MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
   if (empty) return ok();
+  bool ran = false;
+  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x, RowGather{}, weight, bias, y, y_dtype, nullptr, stream, &ran));
+  if (ran) return ok();
   GroupedGemmCall call{};
   call.kind = MG_GEMM_FPROP;
   call.tokens = x;
@@ -262,11 +304,47 @@ mg_status mg_grouped_fprop_gathered(const mg_grouped_problem* p, const void* x_s
   MG_RETURN_IF_ERROR(check_gather(p, op, "x", x_source, x_rows, p->k, &call.gather_a));
   MG_RETURN_IF_ERROR(check_aligned(op, "y", y, false));
   MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  bool ran = false;
+  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x_source, call.gather_a, weight, nullptr, y, y_dtype, nullptr, stream, &ran));
+  if (ran) return ok();
   call.kind = MG_GEMM_FPROP;
   call.tokens = x_source;
   call.weight = weight;
   call.out = y;
   return run_gemm(p, call, y_dtype, stream);
+}
+
+mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, const mg_row_gather* x_rows,
+                                  mg_group_operand weight, void* g, void* h, void* stream) {
+  const char* op = "mg_grouped_fprop_swiglu";
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  if (p->dtype != MG_BFLOAT16) {
+    return fail(MG_ERROR_UNSUPPORTED, "%s: built for bf16 operands, got %s", op, dtype_name(p->dtype));
+  }
+  if (p->n % 16 != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: n (2 * ffn, gate then up) must be a multiple of 16, got %lld", op,
+                static_cast<long long>(p->n));
+  }
+  const bool empty = p->total_rows == 0;
+  MG_RETURN_IF_ERROR(check_aligned(op, "g", g, empty));
+  MG_RETURN_IF_ERROR(check_aligned(op, "h", h, empty));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  GroupedGemmCall call{};
+  if (x_rows != nullptr) {
+    MG_RETURN_IF_ERROR(check_gather(p, op, "x", x, *x_rows, p->k, &call.gather_a));
+  } else {
+    MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
+  }
+  if (empty) return ok();
+  bool ran = false;
+  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x, call.gather_a, weight, nullptr, g, MG_BFLOAT16, h, stream, &ran));
+  if (ran) return ok();
+  call.kind = MG_GEMM_FPROP;
+  call.tokens = x;
+  call.weight = weight;
+  call.out = g;
+  MG_RETURN_IF_ERROR(run_gemm(p, call, MG_BFLOAT16, stream));
+  return mg_swiglu_forward(g, MG_BFLOAT16, p->total_rows, p->n / 2, h, stream);
 }
 
 mg_status mg_grouped_dgrad_gathered(const mg_grouped_problem* p, const void* dy_source, mg_row_gather dy_rows,

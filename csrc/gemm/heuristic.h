@@ -52,4 +52,10 @@ TileConfig choose_tile_config(const GemmShape& shape);
 // bitwise the same. From the mean rows per group, like the tile choice.
 bool raster_along_n(const GemmShape& shape);
 
+// Whether a bf16 fprop into bf16 should run the persistent ping-pong kernel
+// (sm90_pingpong_fprop_bf16.cu) rather than the cooperative one, where it
+// fits (pingpong_fprop_fits): gathered (A read through an index) and with
+// SwiGLU in its epilogue or not. Also from the host-side shape alone.
+bool prefer_pingpong_fprop(const GemmShape& shape, bool gathered, bool swiglu);
+
 }  // namespace moe_grouped::gemm

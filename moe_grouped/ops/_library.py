@@ -180,6 +180,26 @@ def _(source, index, weights, m_splits, out_dtype, backend):
     return source.new_empty(index.shape[0], weights[0].shape[-2], dtype=out_dtype)
 
 
+@torch.library.custom_op("moe_grouped::grouped_fprop_swiglu", mutates_args=())
+def grouped_fprop_swiglu(
+    source: torch.Tensor,
+    index: Optional[torch.Tensor],
+    weights: list[torch.Tensor],
+    m_splits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cuda backend's fc1 with SwiGLU: ``(g, h)`` (``cuda_backend.fprop_swiglu``; callers check
+    ``cuda_backend.fuses_fc1_swiglu`` first)."""
+    with nvtx.range("moe_grouped.fprop_swiglu[cuda]"):
+        return cuda_backend.fprop_swiglu(source, index, weights, m_splits)
+
+
+@grouped_fprop_swiglu.register_fake
+def _(source, index, weights, m_splits):
+    rows = (index if index is not None else source).shape[0]
+    n = weights[0].shape[-2]
+    return source.new_empty(rows, n), source.new_empty(rows, n // 2)
+
+
 @torch.library.custom_op("moe_grouped::grouped_dgrad_gathered", mutates_args=())
 def grouped_dgrad_gathered(
     source: torch.Tensor,

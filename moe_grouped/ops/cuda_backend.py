@@ -386,6 +386,58 @@ def wgrad_gathered(
     )
 
 
+# ---- fc1 with SwiGLU ----------------------------------------------------------
+
+
+def fuses_fc1_swiglu(source: torch.Tensor, gathered: bool, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`fprop_swiglu` takes these operands (bf16, 2 * ffn a multiple of 16, a core that has it).
+
+    ``gathered``: ``source`` is to be read through an index, as :func:`gathers` allows.
+    """
+    return (
+        source.dtype == torch.bfloat16
+        and all(w.dtype == torch.bfloat16 for w in weights)
+        and weights[0].shape[-2] % 16 == 0
+        and (not gathered or gathers(source))
+        and _core.has(_core.CAP_FPROP_SWIGLU)
+    )
+
+
+def fprop_swiglu(
+    source: torch.Tensor, index: Optional[torch.Tensor], weights: Sequence[torch.Tensor], m_splits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fc1 and SwiGLU: ``(g, h)``, g = rows . W^T ([rows, 2 * ffn], gate | up), h = silu(gate) * up.
+
+    The rows are ``source`` or, with ``index``, ``source[index]`` read in the
+    GEMM. See ``mg_grouped_fprop_swiglu``: bitwise :func:`fprop` (or
+    :func:`fprop_gathered`) followed by the cuda SwiGLU pass, in one kernel
+    where the core's ping-pong fprop takes the problem. Rows past the sum of
+    m_splits are not specified.
+    """
+    lib = _core.require()
+    num_groups, n, k = _matrix_shape(weights)
+    source = source.contiguous()
+    rows = None
+    if index is not None:
+        rows, index = _row_gather(source, index)
+    total_rows = (index if index is not None else source).shape[0]
+    g = torch.empty(total_rows, n, dtype=source.dtype, device=source.device)
+    h = torch.empty(total_rows, n // 2, dtype=source.dtype, device=source.device)
+    problem = _problem(g, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    _core.check(
+        lib.mg_grouped_fprop_swiglu(
+            ctypes.byref(problem),
+            source.data_ptr(),
+            ctypes.byref(rows) if rows is not None else None,
+            _operand(weights),
+            g.data_ptr(),
+            h.data_ptr(),
+            _core.stream_handle(source.device),
+        )
+    )
+    return g, h
+
+
 def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, dy.dtype)
@@ -403,5 +455,6 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
 
 __all__ = [
     "fprop", "dgrad", "wgrad", "dbias", "fprop_gathered", "dgrad_gathered", "wgrad_gathered", "gathers",
+    "fprop_swiglu", "fuses_fc1_swiglu",
     "shape_supported", "workspace_size",
 ]

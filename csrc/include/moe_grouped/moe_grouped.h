@@ -89,6 +89,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_SWIGLU 32u
 #define MG_CAP_GATHERED_GEMM 64u
 #define MG_CAP_DGRAD_SWIGLU 128u
+#define MG_CAP_FPROP_SWIGLU 256u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -207,6 +208,21 @@ MG_API mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const vo
                                            const mg_row_gather* dy_rows, const void* x,
                                            const mg_row_gather* x_rows, mg_group_operand dw,
                                            mg_dtype dw_dtype, int accumulate, void* stream);
+
+/* ---- fc1 with SwiGLU (bf16) -------------------------------------------------
+ * The fused MoE experts path's fc1 and activation (MG_CAP_FPROP_SWIGLU):
+ * g[M, N] = x . W^T as mg_grouped_fprop (x_rows NULL) or as
+ * mg_grouped_fprop_gathered (x read through *x_rows), and h[M, N / 2] =
+ * silu(gate) * up of each row [gate | up] of g, rounded as
+ * mg_swiglu_forward rounds: bitwise the GEMM followed by mg_swiglu_forward.
+ * N = 2 * ffn, a multiple of 16. Rows at or past the clamped sum of m_splits
+ * are not written by the GEMM (as mg_grouped_fprop); h's there are not
+ * specified. One kernel (SwiGLU in the epilogue) where the ping-pong fprop
+ * takes the problem and the heuristic picks it, else the two passes.
+ * bf16 only; workspace as mg_grouped_gemm_workspace_size(MG_GEMM_FPROP). */
+MG_API mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x,
+                                         const mg_row_gather* x_rows, mg_group_operand weight,
+                                         void* g, void* h, void* stream);
 
 /* ---- fc2's dgrad with the weighted SwiGLU backward (bf16) -----------------
  * The fused MoE experts path's backward through fc2 and SwiGLU in one kernel

@@ -1,0 +1,129 @@
+"""The core's ping-pong fprop against its cooperative CUTLASS fprop, on the experts' forward GEMMs.
+
+For each issue-19 shape (benchmarks/gathered_gemm.py's SHAPES: T, H, ffn I,
+E experts, top-k; router-like random top-k routing, R = T * k rows):
+
+  fc1_fprop    g = xp . W1^T on the permuted copy        (N = 2I, K = H)
+  fc2_fprop    y = h . W2^T                              (N = H,  K = I)
+  fc1_swiglu   g = x[index] . W1^T and h = silu(gate) * up: the fused
+               experts path's forward fc1 (x read through the routing index)
+
+Backends, each captured in a CUDA graph and replayed, all in one process,
+timed in interleaved rounds (median, 256 MB L2 flush before each):
+  cuda               the core's choice (csrc/gemm/heuristic.cpp): the ping-pong
+                     kernel for K <= 2048, with SwiGLU in fc1_swiglu's epilogue
+  cuda:cutlass_fprop every fprop on the cooperative kernel
+                     (MOE_GROUPED_GEMM_FPROP=cutlass); fc1_swiglu is then the
+                     gathered kernel followed by the SwiGLU pass
+  torch              torch._grouped_mm (fc1_swiglu: on the permuted copy, the
+                     copy not timed, then torch's silu(gate) * up)
+  loop               one matmul per expert over host-known bounds
+  dense              one matmul of the same GEMM FLOPs: the ceiling
+The two cuda backends must agree bitwise (checked). TFLOP/s count the GEMM's
+2 * R * N * K only.
+
+op ``layer_fwd_bwd``: one training step of the fused MoELayer
+(benchmarks/moe_layer.py's), the core's choice against every fprop on the
+cooperative kernel, eager and graphed, as benchmarks/experts_gemm_tiles.py
+times its variants.
+
+    python benchmarks/pingpong_fprop.py    # table + results/pingpong_fprop-<gpu>.json
+"""
+
+from __future__ import annotations
+
+import pathlib
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
+from experts_gemm_tiles import FPROP_ENV, forced, layer_rows, rounds_parser, summarize_layer, timed_rounds  # noqa: E402
+from gathered_gemm import SHAPES, Case  # noqa: E402
+from grouped_gemm import warm_up_clocks  # noqa: E402
+
+OPS = ("fc1_fprop", "fc2_fprop", "fc1_swiglu")
+CUTLASS = {"cuda:cutlass_fprop": {FPROP_ENV: "cutlass"}}
+
+
+def gemm_shape(case: Case, op: str) -> tuple[int, int]:
+    """(N, K) of op's GEMM."""
+    n1, k1 = case.nk["fc1_fprop"]
+    return (k1, n1 // 2) if op == "fc2_fprop" else (n1, k1)
+
+
+def core_run(case: Case, op: str):
+    c, s, bf16 = case.cuda, case.m_splits, torch.bfloat16
+    return {
+        "fc1_fprop": lambda: c.fprop(case.xp, [case.w1], s, None, bf16),
+        "fc2_fprop": lambda: c.fprop(case.wh, [case.w2], s, None, bf16),
+        "fc1_swiglu": lambda: c.fprop_swiglu(case.x, case.index, [case.w1], s),
+    }[op]
+
+
+def reference_run(case: Case, op: str, backend: str):
+    if backend == "dense":
+        n, k = gemm_shape(case, op)
+        a, b = torch.randn(case.rows, k, device="cuda").bfloat16(), torch.randn(k, n, device="cuda").bfloat16()
+        return lambda: a @ b
+    a, w = (case.wh, case.w2) if op == "fc2_fprop" else (case.xp, case.w1)
+
+    def act(g):
+        if op != "fc1_swiglu":
+            return g
+        gate, up = g.chunk(2, dim=-1)
+        return g, torch.nn.functional.silu(gate) * up
+
+    if backend == "torch":
+        return lambda: act(torch._grouped_mm(a, w.transpose(-2, -1), offs=case.offs))
+    return lambda: [act(a[s:u] @ w[g].t()) for g, s, u in case.bounds]
+
+
+def replays(case: Case, op: str) -> dict:
+    core = core_run(case, op)
+    expected = [t.clone() for t in (core() if op == "fc1_swiglu" else (core(),))]
+    got = forced(CUTLASS["cuda:cutlass_fprop"], core)()
+    for e, g in zip(expected, got if op == "fc1_swiglu" else (got,)):
+        if not torch.equal(e, g):
+            raise AssertionError(f"{op}: the cooperative kernel differs from the core's choice")
+    runs = {"cuda": graphed(core), "cuda:cutlass_fprop": graphed(forced(CUTLASS["cuda:cutlass_fprop"], core))}
+    for backend in ("torch", "loop", "dense"):
+        runs[backend] = graphed(reference_run(case, op, backend))
+    return runs
+
+
+def main() -> None:
+    args = rounds_parser(__doc__).parse_args()
+    names = shape_names(args.shapes, SHAPES)
+    flush = L2Flush()
+    warm_up_clocks()
+    rows = []
+    for name in names:
+        case = Case(SHAPES[name])
+        for op in OPS:
+            runs = replays(case, op)
+            times = timed_rounds(runs, args.rounds, flush, per_round=3)
+            n, k = gemm_shape(case, op)
+            for backend, ts in times.items():
+                ms = statistics.median(ts)
+                rows.append({"bench": "pingpong_fprop", "op": op, "shape": name, "splits": "topk_random",
+                             "backend": backend, "ms": round(ms, 5),
+                             "tflops": round(2.0 * case.rows * n * k / ms / 1e9, 2)})
+            ratio = statistics.median(times["cuda:cutlass_fprop"]) / statistics.median(times["cuda"])
+            print(f"{name} {op}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):])
+                  + f"  | core's choice {ratio:.3f}x as fast as the cooperative kernel", flush=True)
+            del runs
+        del case
+        torch.cuda.empty_cache()
+    if not args.no_layer:
+        rows += layer_rows(names, args.rounds, flush, CUTLASS, "pingpong_fprop")
+    print_table(rows, "tflops")
+    if not args.no_layer:
+        summarize_layer(rows, CUTLASS)
+    print(f"wrote {write_results('pingpong_fprop', rows)}")
+
+
+if __name__ == "__main__":
+    main()
