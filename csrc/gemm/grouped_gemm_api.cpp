@@ -174,6 +174,11 @@ mg_status try_pingpong_fprop(const mg_grouped_problem* p, const void* x, const R
                      weight.base, weight.group_stride, out, h, 0};
   if (!pingpong_fprop_fits(call)) return MG_OK;
   const GemmShape shape{MG_GEMM_FPROP, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+  // The cooperative kernel's switches are checked whichever kernel runs, so
+  // that a mistyped value fails the same way everywhere.
+  bool unused = false;
+  MG_RETURN_IF_ERROR(in_kernel_store_maps(&unused));
+  MG_RETURN_IF_ERROR(tile_order(shape, &unused));
   const char* tile = std::getenv(kTileEnv);
   bool chosen = (tile == nullptr || tile[0] == '\0') && prefer_pingpong_fprop(shape, gather.index != nullptr, h != nullptr);
   if (const char* value = std::getenv(kFpropEnv); value != nullptr && value[0] != '\0' &&
