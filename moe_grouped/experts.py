@@ -106,11 +106,12 @@ def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Ten
     On the ``cuda`` backends (GEMM and activation) with bf16 operands, one op:
     the core computes h in fc1's epilogue where its ping-pong fprop takes the
     problem and is preferred (csrc/gemm/heuristic.cpp: K <= 2048), bitwise the
-    GEMM followed by the SwiGLU pass, and runs the two otherwise. Measured on
-    the H100 against the gathered cooperative fc1 plus the pass: 1.02-1.07x on
-    Qwen3-, OLMoE- and DSv2-Lite-like, where the cooperative kernel's
-    epilogue, which overlaps no MMA, had made SwiGLU there 0.40-0.48 ms slower
-    than the pass (Qwen3-like).
+    GEMM followed by the SwiGLU pass, and runs the two otherwise. On the H100
+    the one kernel is at parity with the gathered cooperative fc1 plus the
+    pass (0.98-1.02x on Qwen3-, OLMoE- and DSv2-Lite-like; in the cooperative
+    kernel's epilogue, which overlaps no MMA, SwiGLU had cost 0.40-0.48 ms
+    more than the pass on Qwen3-like), and so is the layer step (graphed,
+    0.995-1.008x against every fprop on the cooperative kernel).
     """
     if (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
             and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1)):

@@ -122,16 +122,19 @@ bool raster_along_n(const GemmShape& shape) {
   return group_rows_bytes >= 32 * kMiB && weight_bytes <= 8 * kMiB;
 }
 
-// The ping-pong fprop against the cooperative kernel, H100, 2026-11-26, the
-// five issue-19 shapes with top-k splits, graphed, one process, bitwise
-// equal: 1.01-1.10x for every fprop with K <= 2048 (fc1 at H = 2048, fc2 at
-// I = 768-1408), 0.88-0.95x at K = 4096 (fc1 of H = 4096 and Mixtral-like)
-// and 0.91x at K = 14336. Gathered, at H = 2048: 0.97-1.01x of the gathered
-// cooperative kernel alone, so not preferred, but 1.02-1.07x with SwiGLU in
-// its epilogue against that kernel plus the SwiGLU pass (0.92-0.97x at
-// H = 4096). It walks every group along M, so problems the cooperative
-// kernel walks along N (raster_along_n: few groups of many rows, not
-// measured with this kernel) keep that one.
+// The ping-pong fprop against the cooperative kernel, H100, 2026-11-26
+// (benchmarks/pingpong_fprop.py, results/pingpong_fprop-h100.json: the five
+// issue-19 shapes with top-k routing, graphed, one process, bitwise equal;
+// two runs, in which the same kernels under the two names read 0.99-1.03x):
+// fprop with K <= 2048 1.00-1.08x for fc2 (I = 768-1408, K = 1024 at
+// H = 4096) and 0.99-1.06x for fc1 at H = 2048. Development builds of the
+// same kernel read 0.88-0.95x at K = 4096 and 0.91x at K = 14336. Gathered,
+// at H = 2048, the development build read 0.97-1.01x of the gathered
+// cooperative kernel alone, so that stays; with SwiGLU in its epilogue it
+// reads 0.98-1.02x of the gathered cooperative kernel plus the SwiGLU pass:
+// at parity, and one kernel. It walks every group along M, so problems the
+// cooperative kernel walks along N (raster_along_n: few groups of many rows,
+// not measured with this kernel) keep that one.
 bool prefer_pingpong_fprop(const GemmShape& shape, bool gathered, bool swiglu) {
   return shape.kind == MG_GEMM_FPROP && shape.dtype == MG_BFLOAT16 && shape.out_dtype == MG_BFLOAT16 &&
          shape.k <= 2048 && !raster_along_n(shape) && (swiglu || !gathered);

@@ -10,10 +10,11 @@
 // 1.4-2.3x slower on these shapes. Here one producer warpgroup fills a shared
 // stage ring and two consumer warpgroups take alternate 64x256 tiles, so one
 // consumer's epilogue overlaps the other's MMAs. Measured on the H100 against
-// the core's CUTLASS kernels in one process (bitwise equal in every case):
-// fprop 1.01-1.10x where K <= 2048 and 0.88-0.95x at K = 4096 and 14336, the
-// gathered fc1 with SwiGLU 1.02-1.07x of the gathered fc1 plus the SwiGLU
-// pass at H = 2048 and 0.92-0.97x at H = 4096 (heuristic.cpp picks by K).
+// the core's cooperative kernels in one process, bitwise equal (heuristic.cpp
+// has the figures and picks by K): a few percent faster on fprop with
+// K <= 2048, slower at K = 4096 and above, and fc1 with SwiGLU in the
+// epilogue at parity with fc1 plus the SwiGLU pass (the epilogue's extra
+// stores and exponentials are not all hidden behind the other consumer).
 //
 // Design notes, each from a failure or a measurement:
 //  - One tensor map per operand for the whole call: x [M, K] is offset by the
