@@ -162,3 +162,16 @@ def reset_grads(layer) -> None:
         for linear in (layer.experts.fc1, layer.experts.fc2):
             for weight in linear.weights():
                 weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
+
+
+def capture_after_a_step(step):
+    """``(graph, outputs)``: ``step`` run once on a side stream (workspaces grow outside capture), then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

@@ -26,7 +26,7 @@ from moe_grouped import _core, backends
 from moe_grouped.ops.common import gather_rows
 from moe_grouped.permute import permute, permute_index, source_rows
 
-from cases import SPLIT_PATTERNS, bounds, make_splits
+from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, make_splits
 
 INDEX_PATTERNS = ("routing", "unmapped_rows", "out_of_range", "one_row")
 
@@ -49,6 +49,13 @@ def make_index(pattern: str, rows: int, source_rows: int, top_k: int, seed: int 
     elif pattern != "routing":
         raise ValueError(pattern)
     return index.to(torch.int32)
+
+
+def load_routing(m_splits: torch.Tensor, index: torch.Tensor, tokens: int, top_k: int, seed: int) -> None:
+    """New splits and indices in place (a graph's device inputs): the patterns in turn, by seed."""
+    rows = index.shape[0]
+    m_splits.copy_(torch.tensor(make_splits(SPLIT_PATTERNS[seed % len(SPLIT_PATTERNS)], m_splits.numel(), rows, seed)))
+    index.copy_(make_index(INDEX_PATTERNS[seed % len(INDEX_PATTERNS)], rows, tokens, top_k, seed))
 
 
 # ---- every backend: the op contract ----------------------------------------
@@ -289,22 +296,10 @@ def test_cuda_gathered_graph_replays_with_new_index_and_splits():
         cuda_backend.wgrad_gathered(dout, index, y[:, :k].contiguous(), None, m_splits, [dw], False)
         return y, dw.clone()
 
-    def load(seed):
-        pattern = SPLIT_PATTERNS[seed % len(SPLIT_PATTERNS)]
-        m_splits.copy_(torch.tensor(make_splits(pattern, num_experts, rows, seed)))
-        index.copy_(make_index(INDEX_PATTERNS[seed % len(INDEX_PATTERNS)], rows, tokens, top_k, seed))
-
-    load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # workspaces sized outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y, static_dw = step()
+    load_routing(m_splits, index, tokens, top_k, 0)
+    graph, (static_y, static_dw) = capture_after_a_step(step)
     for seed in range(1, 41):
-        load(seed)
+        load_routing(m_splits, index, tokens, top_k, seed)
         graph.replay()
         y, expected_dw = step()
         _assert_bitwise(static_y, y, f"replay {seed} y")

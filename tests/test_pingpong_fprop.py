@@ -33,8 +33,8 @@ from moe_grouped import _core, backends
 from moe_grouped.activation import swiglu
 from moe_grouped.ops.common import gather_rows
 
-from cases import SPLIT_PATTERNS, make_splits
-from test_gathered_gemm import INDEX_PATTERNS, make_index
+from cases import SPLIT_PATTERNS, capture_after_a_step, make_splits
+from test_gathered_gemm import INDEX_PATTERNS, load_routing, make_index
 
 FPROP_ENV = "MOE_GROUPED_GEMM_FPROP"
 
@@ -259,22 +259,10 @@ def test_cuda_pingpong_graph_replays_with_new_index_and_splits():
         g, h = cuda_backend.fprop_swiglu(x, index, w1, m_splits)
         return g, h, cuda_backend.fprop(h, w2, m_splits, None, torch.bfloat16)
 
-    def load(seed):
-        pattern = SPLIT_PATTERNS[seed % len(SPLIT_PATTERNS)]
-        m_splits.copy_(torch.tensor(make_splits(pattern, num_experts, rows, seed)))
-        index.copy_(make_index(INDEX_PATTERNS[seed % len(INDEX_PATTERNS)], rows, tokens, top_k, seed))
-
-    load(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    load_routing(m_splits, index, tokens, top_k, 0)
+    graph, static = capture_after_a_step(step)
     for seed in range(1, 41):
-        load(seed)
+        load_routing(m_splits, index, tokens, top_k, seed)
         graph.replay()
         expected = step()
         for name, got, want in zip(("g", "h", "y"), static, expected):

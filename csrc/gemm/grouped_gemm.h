@@ -50,6 +50,7 @@ struct GroupedGemmCall {
   RowGather gather_a;       // gathered kernels: tokens is then A's source
   RowGather gather_b;       // gathered wgrad: tokens_b is then B's source
   SwigluBackwardOperands swiglu;  // dgrad with the SwiGLU-backward epilogue
+  void* swiglu_h = nullptr;  // fprop: also h = silu(gate) * up [M, N / 2] of out = [gate | up]
   int sm_count;
   void* workspace;          // at least workspace_bytes(num_groups, sm_count)
   // CUTLASS's own D-map updates inside the kernel instead of the prebuilt
@@ -104,28 +105,14 @@ KernelList sm90_gathered_wgrad_bf16_kernels();
 KernelList sm90_dgrad_swiglu_bf16_kernels();
 
 // The persistent ping-pong fprop (sm90_pingpong_fprop_bf16.cu): bf16 in and
-// out, no bias, W one [E, N, K] tensor, optionally gathered A and SwiGLU in
-// the epilogue. Its schedule lives in shared memory, hence the group limit.
+// out, no bias, W one [E, N, K] tensor (weight.base), tokens read as stored or
+// through gather_a, SwiGLU in the epilogue where swiglu_h is set. Its schedule
+// lives in shared memory, hence the group limit; it needs no workspace.
 constexpr int kPingPongMaxGroups = 256;
-struct PingPongFprop {
-  int num_groups;
-  int64_t total_rows;
-  int64_t n;
-  int64_t k;
-  const void* m_splits;
-  mg_dtype splits_dtype;
-  const void* x;            // [M, K], or the gathered source
-  RowGather gather;         // index NULL: x as stored
-  const void* weight;       // [E][N, K], group_stride elements apart
-  int64_t group_stride;
-  void* out;                // y [M, N]; with SwiGLU g = [gate | up]
-  void* h;                  // SwiGLU: [M, N / 2]; NULL: a plain fprop
-  int sm_count;
-};
 // Whether the kernel takes the call (shapes, group count, index ranges);
 // the heuristic (heuristic.h) says whether it should.
-bool pingpong_fprop_fits(const PingPongFprop& call);
-mg_status pingpong_fprop_bf16(const PingPongFprop& call, cudaStream_t stream);
+bool pingpong_fprop_fits(const GroupedGemmCall& call);
+mg_status pingpong_fprop_bf16(const GroupedGemmCall& call, cudaStream_t stream);
 
 // Columns per tile of the SwiGLU-backward dgrad kernels: its per-row partial
 // sums come one per tile of this many of the K columns.

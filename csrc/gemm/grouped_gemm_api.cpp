@@ -159,42 +159,51 @@ mg_status run_gemm(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype o
   return ok();
 }
 
-// Runs the fprop on the ping-pong kernel (sm90_pingpong_fprop_bf16.cu) when
-// the call is one it takes (bf16 in and out, no bias, W one tensor, within
-// pingpong_fprop_fits) and the heuristic or MOE_GROUPED_GEMM_FPROP picks it;
-// *ran says whether it did. h non-NULL: SwiGLU in the epilogue.
-mg_status try_pingpong_fprop(const mg_grouped_problem* p, const void* x, const RowGather& gather,
-                             const mg_group_operand& weight, const void* bias, void* out, mg_dtype out_dtype,
-                             void* h, void* stream, bool* ran) {
-  *ran = false;
-  if (p->dtype != MG_BFLOAT16 || out_dtype != MG_BFLOAT16 || bias != nullptr || weight.base == nullptr) {
-    return MG_OK;
-  }
-  PingPongFprop call{p->num_groups, p->total_rows, p->n, p->k, p->m_splits, p->splits_dtype, x, gather,
-                     weight.base, weight.group_stride, out, h, 0};
-  if (!pingpong_fprop_fits(call)) return MG_OK;
-  const GemmShape shape{MG_GEMM_FPROP, p->dtype, out_dtype, p->num_groups, p->total_rows, p->n, p->k};
+// Whether a validated fprop runs on the ping-pong kernel: it takes the call
+// (bf16 in and out, no bias, W one tensor, pingpong_fprop_fits) and the
+// heuristic or MOE_GROUPED_GEMM_FPROP picks it.
+mg_status pingpong_chosen(const GroupedGemmCall& call, mg_dtype dtype, mg_dtype out_dtype, bool* chosen) {
+  *chosen = false;
+  const GemmShape shape{MG_GEMM_FPROP, dtype, out_dtype, call.num_groups, call.total_rows, call.n, call.k};
   // The cooperative kernel's switches are checked whichever kernel runs, so
   // that a mistyped value fails the same way everywhere.
   bool unused = false;
   MG_RETURN_IF_ERROR(in_kernel_store_maps(&unused));
   MG_RETURN_IF_ERROR(tile_order(shape, &unused));
+  if (dtype != MG_BFLOAT16 || out_dtype != MG_BFLOAT16 || !pingpong_fprop_fits(call)) return MG_OK;
   const char* tile = std::getenv(kTileEnv);
-  bool chosen = (tile == nullptr || tile[0] == '\0') && prefer_pingpong_fprop(shape, gather.index != nullptr, h != nullptr);
+  *chosen = (tile == nullptr || tile[0] == '\0') &&
+            prefer_pingpong_fprop(shape, call.gather_a.index != nullptr, call.swiglu_h != nullptr);
   if (const char* value = std::getenv(kFpropEnv); value != nullptr && value[0] != '\0' &&
                                                    std::strcmp(value, "auto") != 0) {
     if (std::strcmp(value, "pingpong") != 0 && std::strcmp(value, "cutlass") != 0) {
       return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, pingpong or cutlass", kFpropEnv, value);
     }
-    chosen = value[0] == 'p';
+    *chosen = value[0] == 'p';
   }
-  if (!chosen) return MG_OK;
-  DeviceGuard guard;
-  MG_RETURN_IF_ERROR(guard.enter(p->device));
-  MG_RETURN_IF_ERROR(sm_count(p->device, &call.sm_count));
-  MG_RETURN_IF_ERROR(pingpong_fprop_bf16(call, static_cast<cudaStream_t>(stream)));
-  *ran = true;
   return MG_OK;
+}
+
+// A validated fprop (tokens, weight, out; bias, gather_a and swiglu_h where
+// set) on the ping-pong kernel where pingpong_chosen says so, else on the
+// cooperative kernel, followed for swiglu_h by the SwiGLU pass.
+mg_status run_fprop(const mg_grouped_problem* p, GroupedGemmCall call, mg_dtype out_dtype, void* stream) {
+  call.kind = MG_GEMM_FPROP;
+  set_problem(call, p, 0, nullptr);
+  bool pingpong = false;
+  MG_RETURN_IF_ERROR(pingpong_chosen(call, p->dtype, out_dtype, &pingpong));
+  if (pingpong) {
+    DeviceGuard guard;
+    MG_RETURN_IF_ERROR(guard.enter(p->device));
+    MG_RETURN_IF_ERROR(sm_count(p->device, &call.sm_count));
+    MG_RETURN_IF_ERROR(pingpong_fprop_bf16(call, static_cast<cudaStream_t>(stream)));
+    return ok();
+  }
+  void* h = call.swiglu_h;
+  call.swiglu_h = nullptr;
+  MG_RETURN_IF_ERROR(run_gemm(p, call, out_dtype, stream));
+  if (h == nullptr) return ok();
+  return mg_swiglu_forward(call.out, out_dtype, p->total_rows, p->n / 2, h, stream);
 }
 
 // A gathered operand: a device index and a bf16 source of 1 .. 2^31 - 1 rows
@@ -250,16 +259,12 @@ mg_status mg_grouped_fprop(const mg_grouped_problem* p, const void* x, mg_group_
   MG_RETURN_IF_ERROR(check_aligned(op, "y", y, empty));
   MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
   if (empty) return ok();
-  bool ran = false;
-  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x, RowGather{}, weight, bias, y, y_dtype, nullptr, stream, &ran));
-  if (ran) return ok();
   GroupedGemmCall call{};
-  call.kind = MG_GEMM_FPROP;
   call.tokens = x;
   call.weight = weight;
   call.bias = bias;
   call.out = y;
-  return run_gemm(p, call, y_dtype, stream);
+  return run_fprop(p, call, y_dtype, stream);
 }
 
 mg_status mg_grouped_dgrad(const mg_grouped_problem* p, const void* dy, mg_group_operand weight,
@@ -309,14 +314,10 @@ mg_status mg_grouped_fprop_gathered(const mg_grouped_problem* p, const void* x_s
   MG_RETURN_IF_ERROR(check_gather(p, op, "x", x_source, x_rows, p->k, &call.gather_a));
   MG_RETURN_IF_ERROR(check_aligned(op, "y", y, false));
   MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
-  bool ran = false;
-  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x_source, call.gather_a, weight, nullptr, y, y_dtype, nullptr, stream, &ran));
-  if (ran) return ok();
-  call.kind = MG_GEMM_FPROP;
   call.tokens = x_source;
   call.weight = weight;
   call.out = y;
-  return run_gemm(p, call, y_dtype, stream);
+  return run_fprop(p, call, y_dtype, stream);
 }
 
 mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, const mg_row_gather* x_rows,
@@ -341,15 +342,11 @@ mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, co
     MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));
   }
   if (empty) return ok();
-  bool ran = false;
-  MG_RETURN_IF_ERROR(try_pingpong_fprop(p, x, call.gather_a, weight, nullptr, g, MG_BFLOAT16, h, stream, &ran));
-  if (ran) return ok();
-  call.kind = MG_GEMM_FPROP;
   call.tokens = x;
   call.weight = weight;
   call.out = g;
-  MG_RETURN_IF_ERROR(run_gemm(p, call, MG_BFLOAT16, stream));
-  return mg_swiglu_forward(g, MG_BFLOAT16, p->total_rows, p->n / 2, h, stream);
+  call.swiglu_h = h;
+  return run_fprop(p, call, MG_BFLOAT16, stream);
 }
 
 mg_status mg_grouped_dgrad_gathered(const mg_grouped_problem* p, const void* dy_source, mg_row_gather dy_rows,

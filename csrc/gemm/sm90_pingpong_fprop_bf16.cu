@@ -113,15 +113,15 @@ struct Params {
 };
 
 template <bool kSwiglu>
-auto make_params(const PingPongFprop& call) {
-  const auto* a = static_cast<const bf16*>(call.x);
-  const auto* b = static_cast<const bf16*>(call.weight);
+auto make_params(const GroupedGemmCall& call) {
+  const auto* a = static_cast<const bf16*>(call.tokens);
+  const auto* b = static_cast<const bf16*>(call.weight.base);
   const int rows = static_cast<int>(call.total_rows), n = static_cast<int>(call.n), k = static_cast<int>(call.k);
   // Gathered calls copy A themselves; the map (over the source) is then unused.
-  const int a_rows = call.gather.index != nullptr ? static_cast<int>(call.gather.source_rows) : rows;
+  const int a_rows = call.gather_a.index != nullptr ? static_cast<int>(call.gather_a.source_rows) : rows;
   Tensor ga = make_tensor(make_gmem_ptr(a), make_shape(a_rows, k), make_stride(int64_t(k), _1{}));
   Tensor gb = make_tensor(make_gmem_ptr(b), make_shape(n, k, call.num_groups),
-                          make_stride(int64_t(k), _1{}, call.group_stride));
+                          make_stride(int64_t(k), _1{}, call.weight.group_stride));
   auto tma_a = make_tma_copy(SM90_TMA_LOAD{}, ga, SmemLayoutA{}(_, _, 0), make_shape(Int<kBlockM>{}, Int<kBlockK>{}), _1{});
   auto tma_b = [&] {
     if constexpr (kSwiglu) {
@@ -131,8 +131,8 @@ auto make_params(const PingPongFprop& call) {
     }
   }();
   return Params<decltype(tma_a), decltype(tma_b)>{
-      tma_a, tma_b, static_cast<bf16*>(call.out), static_cast<bf16*>(call.h), call.m_splits,
-      call.num_groups, rows, n, k, call.gather.index, a, call.gather.source_rows};
+      tma_a, tma_b, static_cast<bf16*>(call.out), static_cast<bf16*>(call.swiglu_h), call.m_splits,
+      call.num_groups, rows, n, k, call.gather_a.index, a, call.gather_a.source_rows};
 }
 
 // Warp 0: the groups' first rows and first tiles into shared memory, from the
@@ -463,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
 }
 
 template <bool kSwiglu, typename SplitT>
-mg_status launch(const PingPongFprop& call, cudaStream_t stream) {
+mg_status launch(const GroupedGemmCall& call, cudaStream_t stream) {
   auto params = make_params<kSwiglu>(call);
   auto kernel = pingpong_fprop_kernel<kSwiglu, SplitT, decltype(params)>;
   constexpr int kSmem = sizeof(SharedStorage);
@@ -475,15 +475,15 @@ mg_status launch(const PingPongFprop& call, cudaStream_t stream) {
 
 }  // namespace
 
-bool pingpong_fprop_fits(const PingPongFprop& call) {
-  const bool swiglu = call.h != nullptr;
+bool pingpong_fprop_fits(const GroupedGemmCall& call) {
+  const bool swiglu = call.swiglu_h != nullptr;
+  if (call.kind != MG_GEMM_FPROP || call.bias != nullptr) return false;
   if (call.num_groups < 1 || call.num_groups > kPingPongMaxGroups) return false;
   if (call.k < kBlockK || call.k % kBlockK != 0 || call.k > INT32_MAX) return false;
   if (call.n < 8 || call.n % (swiglu ? kBlockN : 8) != 0 || call.n > INT32_MAX) return false;
-  if (call.weight == nullptr || call.group_stride % 8 != 0) return false;  // TMA: 16-byte strides
-  if (call.gather.index != nullptr && (call.gather.source_rows < 1 || call.gather.source_rows > INT32_MAX)) {
-    return false;
-  }
+  if (call.weight.base == nullptr || call.weight.group_stride % 8 != 0) return false;  // TMA: 16-byte strides
+  const RowGather& gather = call.gather_a;
+  if (gather.index != nullptr && (gather.source_rows < 1 || gather.source_rows > INT32_MAX)) return false;
   // Rows, tiles and row coordinates (a tile may start up to kBlockM - 1 rows
   // before the end) are 32-bit in the kernel.
   const int64_t n_tiles = (call.n + kBlockN - 1) / kBlockN;
@@ -491,9 +491,9 @@ bool pingpong_fprop_fits(const PingPongFprop& call) {
   return call.total_rows > 0 && call.total_rows <= INT32_MAX - kBlockM && max_tiles <= INT32_MAX;
 }
 
-mg_status pingpong_fprop_bf16(const PingPongFprop& call, cudaStream_t stream) {
+mg_status pingpong_fprop_bf16(const GroupedGemmCall& call, cudaStream_t stream) {
   const bool int64_splits = call.splits_dtype == MG_INT64;
-  if (call.h != nullptr) return int64_splits ? launch<true, int64_t>(call, stream) : launch<true, int32_t>(call, stream);
+  if (call.swiglu_h != nullptr) return int64_splits ? launch<true, int64_t>(call, stream) : launch<true, int32_t>(call, stream);
   return int64_splits ? launch<false, int64_t>(call, stream) : launch<false, int32_t>(call, stream);
 }
 
