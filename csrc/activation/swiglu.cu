@@ -28,12 +28,6 @@ constexpr int64_t kMaxBlocks = 1 << 20;  // grid-stride beyond this
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
-// The stored silu(gate), rounded like torch's silu output.
-template <typename T>
-__device__ __forceinline__ float silu_stored(float gate) {
-  return round_through<T>(gate / (1.f + expf(-gate)));
-}
-
 // Calls f(row, col) for every pack of V consecutive columns of a [rows, ffn]
 // grid, one pack per thread, grid-striding past the launched threads.
 template <int V, typename F>

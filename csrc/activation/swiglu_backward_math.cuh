@@ -25,10 +25,16 @@ __device__ __forceinline__ float round_through(float x) {
   return to_float(from_float<T>(x));
 }
 
+// silu(x) as torch stores it: T(x * sigmoid(x)).
+template <typename T>
+__device__ __forceinline__ float silu_stored(float x) {
+  return round_through<T>(x / (1.f + expf(-x)));
+}
+
 // h before its final rounding: the caller rounds (or packs) it to T.
 template <typename T>
 __device__ __forceinline__ float swiglu_forward_element(float x, float u) {
-  return round_through<T>(x / (1.f + expf(-x))) * u;
+  return silu_stored<T>(x) * u;
 }
 
 template <typename T>
