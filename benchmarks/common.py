@@ -76,12 +76,12 @@ def shapes_parser(doc: str, known) -> argparse.ArgumentParser:
     return parser
 
 
-def shape_names(spec: str, known) -> list[str]:
-    """The names in a comma-separated ``--shapes`` value; exits naming any not in ``known``."""
+def shape_names(spec: str, known, option: str = "--shapes") -> list[str]:
+    """The names in a comma-separated ``option`` value; exits naming any not in ``known``."""
     names = spec.split(",")
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"--shapes: unknown {unknown}; known {list(known)}")
+        raise SystemExit(f"{option}: unknown {unknown}; known {list(known)}")
     return names
 
 

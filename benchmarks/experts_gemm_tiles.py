@@ -173,8 +173,8 @@ def main() -> None:
     parser.add_argument("--splits", default=",".join(SPLITS), help="comma-separated, of " + ", ".join(SPLITS))
     args = parser.parse_args()
     names = shape_names(args.shapes, SHAPES)
-    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
-    splits = [name for name in args.splits.split(",") if name in SPLITS]
+    variants = {name: VARIANTS[name] for name in shape_names(args.variants, VARIANTS, "--variants")}
+    splits = shape_names(args.splits, SPLITS, "--splits")
     flush = L2Flush()
     warm_up_clocks()
     rows = []

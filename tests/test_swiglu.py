@@ -7,6 +7,8 @@ from torch.nn.functional import silu
 import moe_grouped
 from moe_grouped.activation import cuda_unavailable_reason, resolve_backend, swiglu
 
+from cases import capture_after_a_step
+
 
 def composed(h):
     gate, up = h.chunk(2, dim=-1)
@@ -148,14 +150,7 @@ def test_cuda_replays_in_a_graph_with_new_inputs():
         out.backward(static_dy)
         return out, static_h.grad
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, static_grad = step()
+    graph, (static_out, static_grad) = capture_after_a_step(step)
     for seed in range(5):
         torch.manual_seed(seed)
         h = torch.randn_like(static_h)
