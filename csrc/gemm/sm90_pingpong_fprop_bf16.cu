@@ -135,6 +135,17 @@ auto make_params(const GroupedGemmCall& call) {
       call.num_groups, rows, n, k, call.gather_a.index, a, call.gather_a.source_rows};
 }
 
+// Inclusive prefix sum of v over the lanes of the warp.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_sum(T v, int lane) {
+  CUTE_UNROLL
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const T up = __shfl_up_sync(0xffffffffu, v, offset);
+    if (lane >= offset) v += up;
+  }
+  return v;
+}
+
 // Warp 0: the groups' first rows and first tiles into shared memory, from the
 // counts clamped as every reader of m_splits clamps them (core/setup.cuh), so
 // that a wrong m_splits can neither overflow the sums nor send a tile past
@@ -150,22 +161,10 @@ __device__ void scan_splits_to_smem(SharedStorage& s, const SplitT* m_splits, in
   }
   for (int base = 0; base < groups; base += 32) {
     const int g = base + lane;
-    int64_t count = g < groups ? clamp_split(static_cast<int64_t>(m_splits[g]), rows) : 0;
-    int64_t before = count;
-    CUTE_UNROLL
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int64_t up = __shfl_up_sync(0xffffffffu, before, offset);
-      if (lane >= offset) before += up;
-    }
-    before += rows_before - count;  // exclusive
+    const int64_t count = g < groups ? clamp_split(static_cast<int64_t>(m_splits[g]), rows) : 0;
+    const int64_t before = rows_before + warp_inclusive_sum(count, lane) - count;  // exclusive
     const GroupRows at = group_rows(before, count, rows);
-    const int tiles = static_cast<int>((at.count + kBlockM - 1) / kBlockM) * n_tiles;
-    int tiles_incl = tiles;
-    CUTE_UNROLL
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, tiles_incl, offset);
-      if (lane >= offset) tiles_incl += up;
-    }
+    const int tiles_incl = warp_inclusive_sum(static_cast<int>((at.count + kBlockM - 1) / kBlockM) * n_tiles, lane);
     if (g < groups) {
       s.row_start[g + 1] = static_cast<int>(at.start + at.count);
       s.tile_start[g + 1] = tiles_before + tiles_incl;
@@ -177,6 +176,25 @@ __device__ void scan_splits_to_smem(SharedStorage& s, const SplitT* m_splits, in
 
 struct Tile {
   int group, row0, row_end, n_tile;
+};
+
+// A place in the ring of kStages shared stages, and the parity of the ring's
+// current pass (what a stage's barrier phase is compared with).
+struct StageRing {
+  int stage = 0, phase = 0;
+
+  __device__ void advance() {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+
+  __device__ void skip(int n) {  // n stages on: the other consumer's k-tiles
+    stage += n;
+    phase ^= (stage / kStages) & 1;
+    stage %= kStages;
+  }
 };
 
 // Tile t of the schedule: the last group whose first tile is at or before t
@@ -224,17 +242,18 @@ __device__ void produce_stored(const P& p, SharedStorage& s, int total, int n_ti
   Tensor mA = p.tma_a.get_tma_tensor(make_shape(p.rows, p.k));
   auto ta = p.tma_a.get_slice(0);
   Tensor sA = ta.partition_D(make_tensor(make_smem_ptr(s.a.data()), SmemLayoutA{}));
-  int stage = 0, phase = 0;
+  StageRing ring;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const Tile tile = decode_tile(s, p.groups, n_tiles, t);
     Tensor gA = ta.partition_S(local_tile(domain_offset(make_coord(tile.row0, 0), mA),
                                           Shape<Int<kBlockM>, Int<kBlockK>>{}, make_coord(0, _)));
     for (int kt = 0; kt < k_tiles; ++kt) {
-      cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesA + kStageBytesB);
-      copy(p.tma_a.with(s.full[stage]), gA(_, _, _, kt), sA(_, _, _, stage));
-      load_b<kSwiglu>(p, s, tile, kt, stage);
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage],
+                                                                    kStageBytesA + kStageBytesB);
+      copy(p.tma_a.with(s.full[ring.stage]), gA(_, _, _, kt), sA(_, _, _, ring.stage));
+      load_b<kSwiglu>(p, s, tile, kt, ring.stage);
+      ring.advance();
     }
   }
 }
@@ -260,19 +279,21 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
     const int r = warp * kRowsPerWarp + st * 4 + sub;
     dst[st] = r * 128 + ((chunk ^ (r & 7)) << 4);  // stages are 1024-byte aligned
   }
-  auto read_index = [&](int t, int (&idx)[kSteps]) {
-    const Tile tile = decode_tile(s, p.groups, n_tiles, t);
+  // Decodes tile t into `next` and reads its rows' indices.
+  int idx[kSteps];
+  Tile next{};
+  auto read_index = [&](int t) {
+    next = decode_tile(s, p.groups, n_tiles, t);
     CUTE_UNROLL
     for (int st = 0; st < kSteps; ++st) {
-      const int row = tile.row0 + warp * kRowsPerWarp + st * 4 + sub;
+      const int row = next.row0 + warp * kRowsPerWarp + st * 4 + sub;
       idx[st] = row < p.rows ? __ldg(p.index + row) : -1;
     }
   };
-  int idx[kSteps];
-  if (static_cast<int>(blockIdx.x) < total) read_index(blockIdx.x, idx);
-  int stage = 0, phase = 0;
+  if (static_cast<int>(blockIdx.x) < total) read_index(blockIdx.x);
+  StageRing ring;
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const Tile tile = decode_tile(s, p.groups, n_tiles, t);
+    const Tile tile = next;
     const char* src[kSteps];
     uint32_t src_bytes[kSteps];
     CUTE_UNROLL
@@ -282,20 +303,20 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
       src_bytes[st] = valid ? 16 : 0;
     }
     for (int kt = 0; kt < k_tiles; ++kt) {
-      cutlass::arch::ClusterBarrier::wait(&s.empty[stage], phase ^ 1);
-      const uint32_t stage_a = a_base + stage * kStageBytesA;
+      cutlass::arch::ClusterBarrier::wait(&s.empty[ring.stage], ring.phase ^ 1);
+      const uint32_t stage_a = a_base + ring.stage * kStageBytesA;
       CUTE_UNROLL
       for (int st = 0; st < kSteps; ++st) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage_a + dst[st]),
                      "l"(src[st] + int64_t(kt) * kBlockK * sizeof(bf16)), "r"(src_bytes[st]));
       }
-      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+      cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
       if (tid == 0) {
-        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[stage], kStageBytesB);
-        load_b<kSwiglu>(p, s, tile, kt, stage);
+        cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&s.full[ring.stage], kStageBytesB);
+        load_b<kSwiglu>(p, s, tile, kt, ring.stage);
       }
-      if (kt == 0 && t + static_cast<int>(gridDim.x) < total) read_index(t + gridDim.x, idx);
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      if (kt == 0 && t + static_cast<int>(gridDim.x) < total) read_index(t + gridDim.x);
+      ring.advance();
     }
   }
 }
@@ -303,9 +324,17 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
 // One consumer warp's share of a finished tile: its accumulator fragments
 // through shared memory, kEpilogueRows rows at a time, to 16-byte stores of
 // the rows inside the tile's group (SwiGLU: g's gate and up columns, and h).
+//
+// In the m64nNk16 accumulator a thread holds two rows of its warp's 16, lane
+// / 4 and lane / 4 + 8 (values i with (i / 2) % 2 == 1 are the second), in
+// columns (lane % 4) * 2 + 8 * (i / 4) + i % 2. With eight rows per part,
+// part p is every thread's row p, so each part touches exactly its values,
+// chosen at compile time: testing each value's row at run time instead made
+// the unrolled epilogue twice the code.
 template <bool kSwiglu, class P, class Accum, class Coords>
 __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const Accum& accum, const Coords& coords,
                                            bf16* c_buf, bf16* h_buf, int warp, int lane) {
+  static_assert(kEpilogueRows == 8, "a part is one of the two accumulator rows of each thread");
   constexpr int kChunksPerRow = kBlockN / 8;
   constexpr int kParts = 16 / kEpilogueRows;  // per warp's 16 rows
   const int row_end = min(tile.row_end, p.rows);
@@ -314,25 +343,25 @@ __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const A
   CUTE_UNROLL
   for (int part = 0; part < kParts; ++part) {
     const int first_row = warp * 16 + part * kEpilogueRows;
+    const int part_row = get<0>(coords(2 * part)) - first_row;  // lane / 4
     __syncwarp();
     CUTE_UNROLL
-    for (int i = 0; i < size(accum); i += 2) {
-      const int r = get<0>(coords(i)), c = get<1>(coords(i));
-      if (r < first_row || r >= first_row + kEpilogueRows) continue;
-      *reinterpret_cast<__nv_bfloat162*>(c_buf + (r - first_row) * kPaddedRow + c) =
+    for (int i = 2 * part; i < size(accum); i += 4) {
+      const int c = get<1>(coords(i));
+      *reinterpret_cast<__nv_bfloat162*>(c_buf + part_row * kPaddedRow + c) =
           __floats2bfloat162_rn(accum(i), accum(i + 1));
       if constexpr (kSwiglu) {
-        // In the m64nNk16 accumulator a thread holding column c < N/2 holds
-        // column c + N/2 (its up partner) N/4 values further on.
+        // Columns below N/2 are gate; a thread's up partner (column c + N/2)
+        // is N/4 values further on.
         constexpr int kUp = kBlockN / 4;
-        if (c < kBlockN / 2) {
+        if (i / 4 < kBlockN / 16) {
           float out[2];
           CUTE_UNROLL
           for (int v = 0; v < 2; ++v) {
             out[v] = swiglu_forward_element<__nv_bfloat16>(round_through<__nv_bfloat16>(accum(i + v)),
                                                            round_through<__nv_bfloat16>(accum(i + kUp + v)));
           }
-          *reinterpret_cast<__nv_bfloat162*>(h_buf + (r - first_row) * kPaddedHalfRow + c) =
+          *reinterpret_cast<__nv_bfloat162*>(h_buf + part_row * kPaddedHalfRow + c) =
               __floats2bfloat162_rn(out[0], out[1]);
         }
       }
@@ -412,13 +441,9 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
   bf16* h_buf = s.h.data() + (consumer * 4 + warp) * kEpilogueRows * kPaddedHalfRow;
 
   // Where this consumer is in the shared ring: it skips the other's k-tiles.
-  auto skip = [](int& stage, int& phase, int n) {
-    stage += n;
-    phase ^= (stage / kStages) & 1;
-    stage %= kStages;
-  };
-  int stage = 0, phase = 0, turn_phase = 0;
-  if (consumer == 1) skip(stage, phase, k_tiles);
+  StageRing ring;
+  int turn_phase = 0;
+  if (consumer == 1) ring.skip(k_tiles);
   int j = 0;
   for (int t = blockIdx.x + consumer * gridDim.x; t < total; t += 2 * gridDim.x, ++j) {
     const Tile tile = decode_tile(s, p.groups, n_tiles, t);
@@ -429,35 +454,35 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
     }
     tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
     warpgroup_fence_operand(accum);
-    int release = stage;
-    cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+    StageRing release = ring;  // the stage the MMAs in flight read, freed one k-tile behind
+    cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
     warpgroup_arrive();
     CUTE_UNROLL
     for (int kb = 0; kb < size<2>(tCrA); ++kb) {
-      cute::gemm(tiled_mma, tCrA(_, _, kb, stage), tCrB(_, _, kb, stage), accum);
+      cute::gemm(tiled_mma, tCrA(_, _, kb, ring.stage), tCrB(_, _, kb, ring.stage), accum);
       tiled_mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    if (++stage == kStages) { stage = 0; phase ^= 1; }
+    ring.advance();
     warpgroup_fence_operand(accum);
     for (int kt = 1; kt < k_tiles; ++kt) {
-      cutlass::arch::ClusterBarrier::wait(&s.full[stage], phase);
+      cutlass::arch::ClusterBarrier::wait(&s.full[ring.stage], ring.phase);
       warpgroup_fence_operand(accum);
       warpgroup_arrive();
-      cute::gemm(tiled_mma, tCrA(_, _, _, stage), tCrB(_, _, _, stage), accum);
+      cute::gemm(tiled_mma, tCrA(_, _, _, ring.stage), tCrB(_, _, _, ring.stage), accum);
       warpgroup_commit_batch();
       warpgroup_wait<1>();  // the previous k-tile's MMAs are done with their stage
       warpgroup_fence_operand(accum);
-      cutlass::arch::ClusterBarrier::arrive(&s.empty[release]);
-      release = release + 1 == kStages ? 0 : release + 1;
-      if (++stage == kStages) { stage = 0; phase ^= 1; }
+      cutlass::arch::ClusterBarrier::arrive(&s.empty[release.stage]);
+      release.advance();
+      ring.advance();
     }
     warpgroup_fence_operand(accum);
     cutlass::arch::ClusterBarrier::arrive(&s.turn[consumer ^ 1]);
     warpgroup_wait<0>();
-    cutlass::arch::ClusterBarrier::arrive(&s.empty[release]);
+    cutlass::arch::ClusterBarrier::arrive(&s.empty[release.stage]);
     warpgroup_fence_operand(accum);
-    skip(stage, phase, k_tiles);
+    ring.skip(k_tiles);
     store_tile<kSwiglu>(p, tile, accum, coords, c_buf, h_buf, warp, lane);
   }
 }
