@@ -45,6 +45,7 @@ no other variant's graph alive, in alternating order.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import pathlib
@@ -218,13 +219,21 @@ def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dic
 def layer_rows(names: list[str], rounds: int, flush: L2Flush, variants: dict, bench: str) -> list[dict]:
     """Rows of op ``layer_fwd_bwd``: a fused MoELayer step under each of ``variants`` (name -> the core's
     environment) and the core's choice ("cuda"), eager and graphed (see the module docstring)."""
+    runners = {label: functools.partial(forced, env) for label, env in variants.items()}
+    return layer_step_rows(names, rounds, flush, {**runners, "cuda": lambda fn: fn}, bench)
+
+
+def layer_step_rows(names: list[str], rounds: int, flush: L2Flush, runners: dict, bench: str) -> list[dict]:
+    """Rows of op ``layer_fwd_bwd``: a fused MoELayer step of each named issue-19 shape, eager and graphed,
+    under each of ``runners`` (label -> a wrapper of the step's eager run and capture, which sets what the
+    variant changes), in interleaved rounds."""
     import moe_layer
 
     rows = []
     for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
         inputs = moe_layer.make_inputs(shape)
-        layer = moe_layer.make_layer(shape, "cuda_fused")  # the environment picks the kernels at each call
-        runs = (*variants.items(), ("cuda", {}))
+        layer = moe_layer.make_layer(shape, "cuda_fused")  # the runner picks the kernels at each call
+        runs = tuple(runners.items())
         times = {f"{label}{mode}": [] for label, _ in runs for mode in ("", "_graphed")}
         for r in range(rounds):
             # One variant's graph alive at a time, captured afresh each round:
@@ -233,11 +242,11 @@ def layer_rows(names: list[str], rounds: int, flush: L2Flush, variants: dict, be
             # choice 7% behind the same kernels under another name; in another
             # capture order one variant 21% behind). Five graphs of one layer
             # alive replay 2-7% slower than one alone.
-            for label, env in (runs if r % 2 == 0 else runs[::-1]):
+            for label, runner in (runs if r % 2 == 0 else runs[::-1]):
                 steps = moe_layer.Steps(layer, inputs)
-                eager = forced(env, steps.eager)
+                eager = runner(steps.eager)
                 eager()
-                _, replay = forced(env, steps.capture)()
+                _, replay = runner(steps.capture)()
                 replay()  # a graph's first replay also uploads it
                 for mode, run in (("", eager), ("_graphed", replay)):
                     times[label + mode] += [run_ms(run, flush) for _ in range(2)]

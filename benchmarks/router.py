@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import L2Flush, graphed, print_table, run_ms, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import rounds_parser  # noqa: E402
+from experts_gemm_tiles import layer_step_rows, rounds_parser  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
 import moe_layer  # noqa: E402
@@ -106,32 +106,14 @@ def router_rows(names, rounds: int, flush: L2Flush) -> list[dict]:
     return rows
 
 
-def layer_rows(names, rounds: int, flush: L2Flush) -> list[dict]:
-    rows = []
-    for name in names:
-        shape = SHAPES[name]
-        inputs = moe_layer.make_inputs(shape)
-        layer = moe_layer.make_layer(shape, "cuda_fused")
-        times = {f"{p}{mode}": [] for p in ("cuda", "torch") for mode in ("", "_graphed")}
-        for r in range(rounds):
-            for path in (("cuda", "torch") if r % 2 == 0 else ("torch", "cuda")):
-                with router_path(path):
-                    steps = moe_layer.Steps(layer, inputs)
-                    steps.eager()
-                    _, replay = steps.capture()
-                    replay()
-                    for mode, run in (("", steps.eager), ("_graphed", replay)):
-                        times[path + mode] += [run_ms(run, flush) for _ in range(2)]
-                del steps, replay
-                moe_layer.free_memory()
-        for backend, ts in times.items():
-            ms = statistics.median(ts)
-            rows.append({"bench": "router", "op": "layer_fwd_bwd", "shape": name, "splits": "router",
-                         "backend": backend, "ms": round(ms, 5), "tflops": round(shape.flops() / ms / 1e9, 2)})
-        print(f"{name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]), flush=True)
-        del layer
-        moe_layer.free_memory()
-    return rows
+def on_router_path(name: str):
+    """A wrapper that runs a step (its eager run or its capture) with router ``name``."""
+    def runner(fn):
+        def run():
+            with router_path(name):
+                return fn()
+        return run
+    return runner
 
 
 def main() -> None:
@@ -141,7 +123,7 @@ def main() -> None:
     flush = L2Flush()
     rows = router_rows(names, args.rounds, flush)
     if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush)
+        rows += layer_step_rows(names, args.rounds, flush, {p: on_router_path(p) for p in ("cuda", "torch")}, "router")
     print_table([r for r in rows if r["op"] == "router_fwd_bwd"], "gbps")
     print_table([r for r in rows if r["op"] == "layer_fwd_bwd"], "tflops")
     by_case = {(r["op"], r["shape"], r["backend"]): r["ms"] for r in rows}
