@@ -229,6 +229,38 @@ mg_status check_gather(const mg_grouped_problem* p, const char* op, const char* 
   return MG_OK;
 }
 
+// Names of a gathered GEMM's operands, as its errors give them.
+struct GatheredNames {
+  const char* op;
+  const char* a;          // the gathered operand
+  const char* out;
+  const char* out_dtype;
+};
+
+// The gathered fprop and dgrad: the problem, the output dtype, the gathered
+// A (k wide for the fprop, n for the dgrad), the output and the weights
+// checked in one order for both, then the fprop (ping-pong or cooperative)
+// or the cooperative dgrad.
+mg_status run_gathered(const mg_grouped_problem* p, mg_gemm_kind kind, const GatheredNames& names,
+                       const void* a_source, const mg_row_gather& a_rows, mg_group_operand weight, void* out,
+                       mg_dtype out_dtype, void* stream) {
+  const char* op = names.op;
+  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
+  MG_RETURN_IF_ERROR(check_out_dtype(op, names.out_dtype, p->dtype, out_dtype));
+  if (p->total_rows == 0) return ok();
+  GroupedGemmCall call{};
+  const int64_t cols = kind == MG_GEMM_FPROP ? p->k : p->n;
+  MG_RETURN_IF_ERROR(check_gather(p, op, names.a, a_source, a_rows, cols, &call.gather_a));
+  MG_RETURN_IF_ERROR(check_aligned(op, names.out, out, false));
+  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
+  call.tokens = a_source;
+  call.weight = weight;
+  call.out = out;
+  if (kind == MG_GEMM_FPROP) return run_fprop(p, call, out_dtype, stream);
+  call.kind = kind;
+  return run_gemm(p, call, out_dtype, stream);
+}
+
 }  // namespace
 }  // namespace moe_grouped::gemm
 
@@ -306,18 +338,8 @@ mg_status mg_grouped_wgrad(const mg_grouped_problem* p, const void* dy, const vo
 
 mg_status mg_grouped_fprop_gathered(const mg_grouped_problem* p, const void* x_source, mg_row_gather x_rows,
                                     mg_group_operand weight, void* y, mg_dtype y_dtype, void* stream) {
-  const char* op = "mg_grouped_fprop_gathered";
-  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
-  MG_RETURN_IF_ERROR(check_out_dtype(op, "y_dtype", p->dtype, y_dtype));
-  if (p->total_rows == 0) return ok();
-  GroupedGemmCall call{};
-  MG_RETURN_IF_ERROR(check_gather(p, op, "x", x_source, x_rows, p->k, &call.gather_a));
-  MG_RETURN_IF_ERROR(check_aligned(op, "y", y, false));
-  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
-  call.tokens = x_source;
-  call.weight = weight;
-  call.out = y;
-  return run_fprop(p, call, y_dtype, stream);
+  return run_gathered(p, MG_GEMM_FPROP, {"mg_grouped_fprop_gathered", "x", "y", "y_dtype"}, x_source, x_rows, weight,
+                      y, y_dtype, stream);
 }
 
 mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, const mg_row_gather* x_rows,
@@ -351,19 +373,8 @@ mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, co
 
 mg_status mg_grouped_dgrad_gathered(const mg_grouped_problem* p, const void* dy_source, mg_row_gather dy_rows,
                                     mg_group_operand weight, void* dx, mg_dtype dx_dtype, void* stream) {
-  const char* op = "mg_grouped_dgrad_gathered";
-  MG_RETURN_IF_ERROR(check_gemm_problem(p, op));
-  MG_RETURN_IF_ERROR(check_out_dtype(op, "dx_dtype", p->dtype, dx_dtype));
-  if (p->total_rows == 0) return ok();
-  GroupedGemmCall call{};
-  MG_RETURN_IF_ERROR(check_gather(p, op, "dy", dy_source, dy_rows, p->n, &call.gather_a));
-  MG_RETURN_IF_ERROR(check_aligned(op, "dx", dx, false));
-  MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
-  call.kind = MG_GEMM_DGRAD;
-  call.tokens = dy_source;
-  call.weight = weight;
-  call.out = dx;
-  return run_gemm(p, call, dx_dtype, stream);
+  return run_gathered(p, MG_GEMM_DGRAD, {"mg_grouped_dgrad_gathered", "dy", "dx", "dx_dtype"}, dy_source, dy_rows,
+                      weight, dx, dx_dtype, stream);
 }
 
 mg_status mg_grouped_wgrad_gathered(const mg_grouped_problem* p, const void* dy, const mg_row_gather* dy_rows,
