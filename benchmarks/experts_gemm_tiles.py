@@ -146,17 +146,22 @@ def forced(env: dict, fn):
     return run
 
 
-def replays(problem: Experts, op: str, variants: dict) -> dict:
-    """Backend name -> graph replay of op. Checks every variant agrees bitwise with the core's choice."""
-    core = problem.core(op)
-    expected = core().clone()
+def replays(core, reference, op: str, variants: dict) -> dict:
+    """Backend name -> graph replay of op: each of ``variants`` (name -> the core's environment), the core's
+    choice ("cuda") and the reference backends (torch, loop, dense: ``reference(backend)``). Checks that every
+    variant agrees bitwise with the core's choice, in each output where op returns a tuple."""
+    def outputs(result):
+        return result if isinstance(result, tuple) else (result,)
+
+    expected = [t.clone() for t in outputs(core())]
     for backend, env in variants.items():
-        if not torch.equal(forced(env, core)(), expected):
+        got = outputs(forced(env, core)())
+        if len(got) != len(expected) or not all(torch.equal(e, g) for e, g in zip(expected, got)):
             raise AssertionError(f"{op}: {backend} differs from the core's choice")
     runs = {backend: graphed(forced(env, core)) for backend, env in variants.items()}
     runs["cuda"] = graphed(core)
     for backend in ("torch", "loop", "dense"):
-        runs[backend] = graphed(problem.reference(op, backend))
+        runs[backend] = graphed(reference(backend))
     return runs
 
 
@@ -183,7 +188,7 @@ def main() -> None:
         for splits_kind in splits:
             problem = Experts(SHAPES[name], splits_kind)
             for op in OPS:
-                runs = replays(problem, op, variants)
+                runs = replays(problem.core(op), functools.partial(problem.reference, op), op, variants)
                 times = timed_rounds(runs, args.rounds, flush, per_round=3)
                 for backend, ts in times.items():
                     ms = statistics.median(ts)

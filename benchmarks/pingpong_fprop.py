@@ -32,6 +32,7 @@ times its variants.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import statistics
 import sys
@@ -39,8 +40,8 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import FPROP_ENV, forced, layer_rows, rounds_parser, summarize_layer, timed_rounds  # noqa: E402
+from common import L2Flush, print_table, shape_names, write_results  # noqa: E402
+from experts_gemm_tiles import FPROP_ENV, layer_rows, replays, rounds_parser, summarize_layer, timed_rounds  # noqa: E402
 from gathered_gemm import SHAPES, Case  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
@@ -81,19 +82,6 @@ def reference_run(case: Case, op: str, backend: str):
     return lambda: [act(a[s:u] @ w[g].t()) for g, s, u in case.bounds]
 
 
-def replays(case: Case, op: str) -> dict:
-    core = core_run(case, op)
-    expected = [t.clone() for t in (core() if op == "fc1_swiglu" else (core(),))]
-    got = forced(CUTLASS["cuda:cutlass_fprop"], core)()
-    for e, g in zip(expected, got if op == "fc1_swiglu" else (got,)):
-        if not torch.equal(e, g):
-            raise AssertionError(f"{op}: the cooperative kernel differs from the core's choice")
-    runs = {"cuda": graphed(core), "cuda:cutlass_fprop": graphed(forced(CUTLASS["cuda:cutlass_fprop"], core))}
-    for backend in ("torch", "loop", "dense"):
-        runs[backend] = graphed(reference_run(case, op, backend))
-    return runs
-
-
 def main() -> None:
     args = rounds_parser(__doc__).parse_args()
     names = shape_names(args.shapes, SHAPES)
@@ -103,7 +91,7 @@ def main() -> None:
     for name in names:
         case = Case(SHAPES[name])
         for op in OPS:
-            runs = replays(case, op)
+            runs = replays(core_run(case, op), functools.partial(reference_run, case, op), op, CUTLASS)
             times = timed_rounds(runs, args.rounds, flush, per_round=3)
             n, k = gemm_shape(case, op)
             for backend, ts in times.items():
