@@ -7,10 +7,12 @@ Python-int boundaries in float64 on the CPU.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
 import moe_grouped
+from moe_grouped import _core
 
 SPLIT_PATTERNS = ("balanced", "skewed", "zero_token_experts", "all_to_one", "single_token_groups")
 
@@ -119,6 +121,18 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
         assert error == 0, f"{case}: expected zeros, got norm {error}"
         return
     assert error / scale <= TOLERANCE[dtype], f"{case}: relative error {error / scale:.3e} > {TOLERANCE[dtype]:.0e}"
+
+
+def cuda_kernels_reason(capability: Optional[int] = None, missing: str = "") -> Optional[str]:
+    """Why the cuda backend's kernels can't be tested here, or None when they can: no visible GPU, the
+    backend unavailable, or, with ``capability`` (a core ``CAP_*`` bit), a core built without the kernels
+    ``missing`` names."""
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU; none is visible"
+    reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
+    if reason is None and capability is not None and not _core.has(capability):
+        reason = f"the core was built without {missing}"
+    return reason
 
 
 def backends_for(device: str, dtype: torch.dtype = None) -> list[str]:

@@ -14,13 +14,14 @@ import ctypes
 import pytest
 import torch
 
-from moe_grouped import _core, backends
+from moe_grouped import _core
 
 from cases import (
     SPLIT_PATTERNS,
     assert_close_to,
     bounds,
     calc_diff,
+    cuda_kernels_reason,
     make_splits,
     oracle_dbias,
     oracle_dgrad,
@@ -29,18 +30,13 @@ from cases import (
 )
 
 
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU; none is visible"
-    return backends.cuda_unavailable_reason(torch.device("cuda"))
-
-
+CUDA_REASON = cuda_kernels_reason()
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(_cuda_reason() is not None, reason=f"cuda backend unavailable: {_cuda_reason()}"),
+    pytest.mark.skipif(CUDA_REASON is not None, reason=f"cuda backend unavailable: {CUDA_REASON}"),
 ]
 
-if _cuda_reason() is None:
+if CUDA_REASON is None:
     from moe_grouped.ops import cuda_backend
 else:  # collected but skipped
     cuda_backend = None

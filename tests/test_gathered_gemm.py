@@ -22,11 +22,11 @@ import pytest
 import torch
 
 import moe_grouped  # noqa: F401  (registers the ops)
-from moe_grouped import _core, backends
+from moe_grouped import _core
 from moe_grouped.ops.common import gather_rows
 from moe_grouped.permute import permute, permute_index, source_rows
 
-from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, make_splits
+from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, cuda_kernels_reason, make_splits
 
 INDEX_PATTERNS = ("routing", "unmapped_rows", "out_of_range", "one_row")
 
@@ -140,20 +140,10 @@ def test_gathered_ops_equal_plain_ops_on_gathered_rows(backend, pattern):
 # ---- GPU: the core's gathered kernels ---------------------------------------
 
 
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU; none is visible"
-    reason = backends.cuda_unavailable_reason(torch.device("cuda"))
-    if reason is None and not _core.has(_core.CAP_GATHERED_GEMM):
-        reason = "the core was built without the gathered GEMMs"
-    return reason
+CUDA_REASON = cuda_kernels_reason(_core.CAP_GATHERED_GEMM, "the gathered GEMMs")
+needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"gathered kernels unavailable: {CUDA_REASON}")
 
-
-needs_kernels = pytest.mark.skipif(
-    _cuda_reason() is not None, reason=f"gathered kernels unavailable: {_cuda_reason()}"
-)
-
-if _cuda_reason() is None:
+if CUDA_REASON is None:
     from moe_grouped.ops import cuda_backend
 else:  # collected but skipped
     cuda_backend = None

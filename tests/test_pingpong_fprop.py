@@ -29,28 +29,20 @@ import pytest
 import torch
 
 import moe_grouped  # noqa: F401  (registers the ops)
-from moe_grouped import _core, backends
+from moe_grouped import _core
 from moe_grouped.activation import swiglu
 from moe_grouped.ops.common import gather_rows
 
-from cases import SPLIT_PATTERNS, capture_after_a_step, make_splits
+from cases import SPLIT_PATTERNS, capture_after_a_step, cuda_kernels_reason, make_splits
 from test_gathered_gemm import INDEX_PATTERNS, load_routing, make_index
 
 FPROP_ENV = "MOE_GROUPED_GEMM_FPROP"
 
 
-def _cuda_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU; none is visible"
-    reason = backends.cuda_unavailable_reason(torch.device("cuda"))
-    if reason is None and not _core.has(_core.CAP_FPROP_SWIGLU):
-        reason = "the core was built without fc1 + SwiGLU"
-    return reason
+CUDA_REASON = cuda_kernels_reason(_core.CAP_FPROP_SWIGLU, "fc1 + SwiGLU")
+needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"ping-pong fprop unavailable: {CUDA_REASON}")
 
-
-needs_kernels = pytest.mark.skipif(_cuda_reason() is not None, reason=f"ping-pong fprop unavailable: {_cuda_reason()}")
-
-if _cuda_reason() is None:
+if CUDA_REASON is None:
     from moe_grouped.ops import cuda_backend
 else:  # collected but skipped
     cuda_backend = None
