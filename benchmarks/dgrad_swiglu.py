@@ -37,7 +37,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import SPLITS, Experts, layer_rows, rounds_parser, summarize_layer, timed_rounds  # noqa: E402
+from experts_gemm_tiles import (  # noqa: E402
+    SPLITS, Experts, layer_rows, median_rows, rounds_parser, summarize_layer, timed_rounds,
+)
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
@@ -97,11 +99,8 @@ def main() -> None:
             problem = Experts(SHAPES[name], splits_kind)
             runs = runs_of(problem)
             times = timed_rounds(runs, args.rounds, flush, per_round=3)
-            for backend, ts in times.items():
-                ms = statistics.median(ts)
-                rows.append({"bench": "dgrad_swiglu", "op": "fc2_dgrad_swiglu", "shape": name,
-                             "splits": splits_kind, "backend": backend, "ms": round(ms, 5),
-                             "tflops": round(problem.flops("fc2_dgrad") / ms / 1e9, 2)})
+            rows += median_rows(times, problem.flops("fc2_dgrad"), "dgrad_swiglu", "fc2_dgrad_swiglu", name,
+                                splits_kind)
             new, old = (statistics.median(times[b]) for b in ("cuda_fused", "cuda_unfused"))
             print(f"{name} {splits_kind}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):])
                   + f"  fused/unfused speed {old / new:.3f}x", flush=True)

@@ -190,11 +190,7 @@ def main() -> None:
             for op in OPS:
                 runs = replays(problem.core(op), functools.partial(problem.reference, op), op, variants)
                 times = timed_rounds(runs, args.rounds, flush, per_round=3)
-                for backend, ts in times.items():
-                    ms = statistics.median(ts)
-                    rows.append({"bench": "experts_gemm_tiles", "op": op, "shape": name, "splits": splits_kind,
-                                 "backend": backend, "ms": round(ms, 5),
-                                 "tflops": round(problem.flops(op) / ms / 1e9, 2)})
+                rows += median_rows(times, problem.flops(op), "experts_gemm_tiles", op, name, splits_kind)
                 print(f"{name} {splits_kind} {op}: " + "  ".join(
                     f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]), flush=True)
                 del runs
@@ -205,6 +201,17 @@ def main() -> None:
     print_table(rows, "tflops")
     summarize(rows, variants)
     print(f"wrote {write_results('experts_gemm_tiles', rows)}")
+
+
+def median_rows(times: dict, flops: float, bench: str, op: str, shape: str, splits: str) -> list[dict]:
+    """One result row per backend of ``timed_rounds``' times: the median ms and the TFLOP/s of ``flops``
+    per run."""
+    rows = []
+    for backend, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"bench": bench, "op": op, "shape": shape, "splits": splits, "backend": backend,
+                     "ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)})
+    return rows
 
 
 def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:
@@ -257,11 +264,7 @@ def layer_step_rows(names: list[str], rounds: int, flush: L2Flush, runners: dict
                     times[label + mode] += [run_ms(run, flush) for _ in range(2)]
                 del steps, eager, replay
                 moe_layer.free_memory()
-        for backend, ts in times.items():
-            ms = statistics.median(ts)
-            rows.append({"bench": bench, "op": "layer_fwd_bwd", "shape": shape.name,
-                         "splits": "router", "backend": backend, "ms": round(ms, 5),
-                         "tflops": round(shape.flops() / ms / 1e9, 2)})
+        rows += median_rows(times, shape.flops(), bench, "layer_fwd_bwd", shape.name, "router")
         print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
               flush=True)
         del layer

@@ -41,7 +41,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import L2Flush, print_table, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import FPROP_ENV, layer_rows, replays, rounds_parser, summarize_layer, timed_rounds  # noqa: E402
+from experts_gemm_tiles import (  # noqa: E402
+    FPROP_ENV, layer_rows, median_rows, replays, rounds_parser, summarize_layer, timed_rounds,
+)
 from gathered_gemm import SHAPES, Case  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
 
@@ -94,11 +96,7 @@ def main() -> None:
             runs = replays(core_run(case, op), functools.partial(reference_run, case, op), op, CUTLASS)
             times = timed_rounds(runs, args.rounds, flush, per_round=3)
             n, k = gemm_shape(case, op)
-            for backend, ts in times.items():
-                ms = statistics.median(ts)
-                rows.append({"bench": "pingpong_fprop", "op": op, "shape": name, "splits": "topk_random",
-                             "backend": backend, "ms": round(ms, 5),
-                             "tflops": round(2.0 * case.rows * n * k / ms / 1e9, 2)})
+            rows += median_rows(times, 2.0 * case.rows * n * k, "pingpong_fprop", op, name, "topk_random")
             ratio = statistics.median(times["cuda:cutlass_fprop"]) / statistics.median(times["cuda"])
             print(f"{name} {op}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):])
                   + f"  | core's choice {ratio:.3f}x as fast as the cooperative kernel", flush=True)
