@@ -131,10 +131,11 @@ bool raster_along_n(const GemmShape& shape) {
 // same kernel read 0.88-0.95x at K = 4096 and 0.91x at K = 14336. Gathered,
 // at H = 2048, the development build read 0.97-1.01x of the gathered
 // cooperative kernel alone, so that stays; with SwiGLU in its epilogue it
-// reads 0.98-1.02x of the gathered cooperative kernel plus the SwiGLU pass:
-// at parity, and one kernel. It walks every group along M, so problems the
-// cooperative kernel walks along N (raster_along_n: few groups of many rows,
-// not measured with this kernel) keep that one.
+// reads 0.98-1.02x of the gathered cooperative kernel plus the SwiGLU pass
+// (0.95-1.03x over the 2026-11-27 runs): at parity, and one kernel. It
+// walks every group along M, so problems the cooperative kernel walks along
+// N (raster_along_n: few groups of many rows, not measured with this kernel)
+// keep that one.
 bool prefer_pingpong_fprop(const GemmShape& shape, bool gathered, bool swiglu) {
   return shape.kind == MG_GEMM_FPROP && shape.dtype == MG_BFLOAT16 && shape.out_dtype == MG_BFLOAT16 &&
          shape.k <= 2048 && !raster_along_n(shape) && (swiglu || !gathered);
