@@ -96,6 +96,8 @@
 
 #include <cstdint>
 
+#include "gemm/gather_copy.cuh"
+
 namespace moe_grouped::gemm::sm90 {
 
 // What the mainloop reads besides CUTLASS's own arguments. A null index
@@ -283,8 +285,7 @@ struct GatherMainloop : Base {
         // position in its 1024-byte atom.
         const uint32_t row_addr = slot_addr + step * kRowsPerStep * kRowBytes;
         const uint32_t dst = row_addr + ((chunk ^ ((row_addr >> 7) & 7)) << 4);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst),
-                     "l"(valid ? src + col * 2 : fallback), "r"(valid ? 16 : 0));
+        gather_copy16(dst, reinterpret_cast<const void*>(valid ? src + col * 2 : fallback), valid ? 16u : 0u);
       }
     }
   }
@@ -338,8 +339,7 @@ struct GatherMainloop : Base {
         // A column past the row's end may be past the source's end: such a
         // copy (size 0, reads nothing) points at the source's start.
         const uint64_t from = FullWidth || col_ok ? src + line * kRowBytes : source;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + line * kLineStride),
-                     "l"(from), "r"(row_ok && col_ok ? 16 : 0));
+        gather_copy16(dst + line * kLineStride, reinterpret_cast<const void*>(from), row_ok && col_ok ? 16u : 0u);
       }
     }
   }

@@ -56,6 +56,7 @@
 #include "activation/swiglu_backward_math.cuh"
 #include "core/error.h"
 #include "core/setup.cuh"
+#include "gemm/gather_copy.cuh"
 #include "gemm/grouped_gemm.h"
 
 namespace moe_grouped::gemm {
@@ -307,8 +308,7 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
       const uint32_t stage_a = a_base + ring.stage * kStageBytesA;
       CUTE_UNROLL
       for (int st = 0; st < kSteps; ++st) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(stage_a + dst[st]),
-                     "l"(src[st] + int64_t(kt) * kBlockK * sizeof(bf16)), "r"(src_bytes[st]));
+        gather_copy16(stage_a + dst[st], src[st] + int64_t(kt) * kBlockK * sizeof(bf16), src_bytes[st]);
       }
       cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[ring.stage]);
       if (tid == 0) {
@@ -321,9 +321,54 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
   }
 }
 
+// A consumer warp's staged SwiGLU rows out by bulk copies (the TMA unit's
+// cp.async.bulk), one lane per 256-byte segment: a row's gate and up columns
+// of g and its h columns. Against every lane storing 16-byte chunks, the fused
+// fc1's epilogue no longer shares the load/store unit with the producer's
+// cp.async copies of gathered rows. H100, 2026-11-27, bitwise equal; each
+// figure the median of 30 graphed runs in one process, processes alternating
+// between the builds (.devbuild's fc1 probe, four per build; DeepSeek-V2-
+// Lite-like and H = 4096, two): fused gathered fc1+SwiGLU Qwen3-like
+// 1.509-1.557 -> 1.489-1.516 ms, OLMoE-like 2.021-2.057 -> 1.936-1.998,
+// DeepSeek-V2-Lite-like 2.121-2.157 -> 2.047-2.079, H = 4096 7.21-7.28 ->
+// 7.30-7.31; on a stored copy 0-5% faster. The plain fprop keeps its 16-byte
+// stores: one 512-byte bulk copy per row was 0-8% slower on OLMoE-like, two
+// of 256 bytes within the noise (fc1 and fc2).
+template <class P>
+__device__ __forceinline__ void bulk_store_swiglu_rows(const P& p, int first_row, int row_end, int n0,
+                                                       const bf16* c_buf, const bf16* h_buf, int lane) {
+  constexpr int kSegments = 3;  // gate, up, h
+  constexpr int kSegmentCols = kBlockN / 2;
+  static_assert(kEpilogueRows * kSegments <= 32);
+  cutlass::arch::fence_view_async_shared();  // the warp's shared-memory writes, visible to the copies
+  __syncwarp();
+  const int r = lane / kSegments, segment = lane % kSegments;
+  const int row = first_row + r;
+  if (lane < kEpilogueRows * kSegments && row < row_end) {
+    const int ffn = p.n / 2;
+    const bf16* from = segment == 2 ? h_buf + r * kPaddedHalfRow : c_buf + r * kPaddedRow + segment * kSegmentCols;
+    bf16* to = segment == 2 ? p.h + int64_t(row) * ffn + n0 : p.out + int64_t(row) * p.n + segment * ffn + n0;
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(to),
+                 "r"(cute::cast_smem_ptr_to_uint(from)), "r"(kSegmentCols * 2)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+  }
+}
+
+// The warp's earlier bulk copies have read (kRead) or written their buffers.
+template <bool kRead>
+__device__ __forceinline__ void bulk_store_wait() {
+  if constexpr (kRead) {
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+  }
+}
+
 // One consumer warp's share of a finished tile: its accumulator fragments
-// through shared memory, kEpilogueRows rows at a time, to 16-byte stores of
-// the rows inside the tile's group (SwiGLU: g's gate and up columns, and h).
+// through shared memory, kEpilogueRows rows at a time, to the rows inside the
+// tile's group (SwiGLU: g's gate and up columns, and h, by bulk copies;
+// otherwise by 16-byte stores).
 //
 // In the m64nNk16 accumulator a thread holds two rows of its warp's 16, lane
 // / 4 and lane / 4 + 8 (values i with (i / 2) % 2 == 1 are the second), in
@@ -338,12 +383,12 @@ __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const A
   constexpr int kChunksPerRow = kBlockN / 8;
   constexpr int kParts = 16 / kEpilogueRows;  // per warp's 16 rows
   const int row_end = min(tile.row_end, p.rows);
-  const int ffn = p.n / 2;
   const int n0 = tile.n_tile * (kSwiglu ? kBlockN / 2 : kBlockN);
   CUTE_UNROLL
   for (int part = 0; part < kParts; ++part) {
     const int first_row = warp * 16 + part * kEpilogueRows;
     const int part_row = get<0>(coords(2 * part)) - first_row;  // lane / 4
+    if constexpr (kSwiglu) bulk_store_wait</*kRead=*/true>();  // the buffers are free again
     __syncwarp();
     CUTE_UNROLL
     for (int i = 2 * part; i < size(accum); i += 4) {
@@ -366,28 +411,18 @@ __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const A
         }
       }
     }
-    __syncwarp();
-    CUTE_UNROLL
-    for (int it = 0; it < kEpilogueRows * kChunksPerRow / 32; ++it) {
-      const int idx = it * 32 + lane, r = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
-      const int row = tile.row0 + first_row + r;
-      int col = n0 + chunk * 8;
-      if constexpr (kSwiglu) {
-        col = chunk < kChunksPerRow / 2 ? n0 + chunk * 8 : ffn + n0 + (chunk - kChunksPerRow / 2) * 8;
-      }
-      if (row < row_end && col < p.n) {
-        *reinterpret_cast<uint4*>(p.out + int64_t(row) * p.n + col) =
-            *reinterpret_cast<const uint4*>(c_buf + r * kPaddedRow + chunk * 8);
-      }
-    }
     if constexpr (kSwiglu) {
+      bulk_store_swiglu_rows(p, tile.row0 + first_row, row_end, n0, c_buf, h_buf, lane);
+    } else {
+      __syncwarp();
       CUTE_UNROLL
-      for (int it = 0; it < kEpilogueRows * kChunksPerRow / 2 / 32; ++it) {
-        const int idx = it * 32 + lane, r = idx / (kChunksPerRow / 2), chunk = idx % (kChunksPerRow / 2);
+      for (int it = 0; it < kEpilogueRows * kChunksPerRow / 32; ++it) {
+        const int idx = it * 32 + lane, r = idx / kChunksPerRow, chunk = idx % kChunksPerRow;
         const int row = tile.row0 + first_row + r;
-        if (row < row_end) {
-          *reinterpret_cast<uint4*>(p.h + int64_t(row) * ffn + n0 + chunk * 8) =
-              *reinterpret_cast<const uint4*>(h_buf + r * kPaddedHalfRow + chunk * 8);
+        const int col = n0 + chunk * 8;
+        if (row < row_end && col < p.n) {
+          *reinterpret_cast<uint4*>(p.out + int64_t(row) * p.n + col) =
+              *reinterpret_cast<const uint4*>(c_buf + r * kPaddedRow + chunk * 8);
         }
       }
     }
@@ -485,6 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
     ring.skip(k_tiles);
     store_tile<kSwiglu>(p, tile, accum, coords, c_buf, h_buf, warp, lane);
   }
+  if constexpr (kSwiglu) bulk_store_wait</*kRead=*/false>();
 }
 
 template <bool kSwiglu, typename SplitT>
