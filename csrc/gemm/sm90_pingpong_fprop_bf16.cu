@@ -35,7 +35,9 @@
 //    the gathered GEMM at 0.54-0.69x of the core's, this 0.97-1.0x. A deeper
 //    separate ring for A (8-10 stages) did not help.
 //  - The epilogue goes per warp, 8 rows at a time, through padded shared
-//    memory to 16-byte stores; fragments are written as bf16 pairs (single
+//    memory to 16-byte stores (SwiGLU: to bulk copies, which left the load/
+//    store unit to the gathered copies, 2-4% on the fused fc1; see
+//    bulk_store_swiglu_rows); fragments are written as bf16 pairs (single
 //    bf16 writes made ptxas serialise the wgmma, warning C7514).
 //  - W stored MN-major (a dgrad) would need the K-first shared layout; not
 //    built: the dgrads measured 0.80-1.03x of the core's.
