@@ -108,8 +108,9 @@ def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Ten
     problem and is preferred (csrc/gemm/heuristic.cpp: K <= 2048), bitwise the
     GEMM followed by the SwiGLU pass, and runs the two otherwise. On the H100
     the one kernel is at parity with the gathered cooperative fc1 plus the
-    pass (0.95-1.03x on Qwen3-, OLMoE- and DSv2-Lite-like over runs on
-    2026-11-26 and 27, within those machines' noise; in the cooperative
+    pass or a little faster (0.95-1.03x on Qwen3-, OLMoE- and DSv2-Lite-like
+    over runs on 2026-11-26 and 27, within those machines' noise; 1.00-1.04x
+    since its epilogue stores by bulk copies; in the cooperative
     kernel's epilogue, which overlaps no MMA, SwiGLU had cost 0.40-0.48 ms
     more than the pass on Qwen3-like), and so is the layer step (graphed,
     0.995-1.008x against every fprop on the cooperative kernel).

@@ -35,10 +35,10 @@
 //    the gathered GEMM at 0.54-0.69x of the core's, this 0.97-1.0x. A deeper
 //    separate ring for A (8-10 stages) did not help.
 //  - The epilogue goes per warp, 8 rows at a time, through padded shared
-//    memory to 16-byte stores (SwiGLU: to bulk copies, which left the load/
-//    store unit to the gathered copies, 2-4% on the fused fc1; see
-//    bulk_store_swiglu_rows); fragments are written as bf16 pairs (single
-//    bf16 writes made ptxas serialise the wgmma, warning C7514).
+//    memory to 16-byte stores (SwiGLU: to bulk copies, 1-4% faster on the
+//    fused gathered fc1; see bulk_store_swiglu_rows); fragments are written
+//    as bf16 pairs (single bf16 writes made ptxas serialise the wgmma,
+//    warning C7514).
 //  - W stored MN-major (a dgrad) would need the K-first shared layout; not
 //    built: the dgrads measured 0.80-1.03x of the core's.
 #include <cuda_bf16.h>
@@ -324,18 +324,20 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
 }
 
 // A consumer warp's staged SwiGLU rows out by bulk copies (the TMA unit's
-// cp.async.bulk), one lane per 256-byte segment: a row's gate and up columns
-// of g and its h columns. Against every lane storing 16-byte chunks, the fused
-// fc1's epilogue no longer shares the load/store unit with the producer's
-// cp.async copies of gathered rows. H100, 2026-11-27, bitwise equal; each
-// figure the median of 30 graphed runs in one process, processes alternating
-// between the builds (.devbuild's fc1 probe, four per build; DeepSeek-V2-
-// Lite-like and H = 4096, two): fused gathered fc1+SwiGLU Qwen3-like
-// 1.509-1.557 -> 1.489-1.516 ms, OLMoE-like 2.021-2.057 -> 1.936-1.998,
-// DeepSeek-V2-Lite-like 2.121-2.157 -> 2.047-2.079, H = 4096 7.21-7.28 ->
-// 7.30-7.31; on a stored copy 0-5% faster. The plain fprop keeps its 16-byte
-// stores: one 512-byte bulk copy per row was 0-8% slower on OLMoE-like, two
-// of 256 bytes within the noise (fc1 and fc2).
+// cp.async.bulk), one lane per 256-byte segment: a row's gate and up columns of
+// g and its h columns, instead of every lane storing twelve 16-byte chunks per
+// part. Why it helps (not established by a profile): fewer epilogue
+// instructions, and where rows are gathered the load/store unit is left to the
+// producer's cp.async copies. H100, 2026-11-27, bitwise equal; each figure the
+// median of 30 graphed runs in one process, processes alternating between the
+// builds (a probe of the four fc1 variants, four processes per build;
+// DeepSeek-V2-Lite-like, two): fused gathered fc1+SwiGLU Qwen3-like 1.509-1.557
+// -> 1.489-1.516 ms, OLMoE-like 2.021-2.057 -> 1.936-1.998, DeepSeek-V2-Lite-
+// like 2.121-2.157 -> 2.047-2.079; on a stored copy 0-5% faster. (H = 4096,
+// whose fc1 has K = 4096 and so runs the cooperative kernel and the pass in
+// both builds, read 7.21-7.28 -> 7.30-7.31 ms: the noise of such a comparison.)
+// The plain fprop keeps its 16-byte stores: one 512-byte bulk copy per row was
+// 0-8% slower on OLMoE-like, two of 256 bytes within the noise (fc1 and fc2).
 template <class P>
 __device__ __forceinline__ void bulk_store_swiglu_rows(const P& p, int first_row, int row_end, int n0,
                                                        const bf16* c_buf, const bf16* h_buf, int lane) {
