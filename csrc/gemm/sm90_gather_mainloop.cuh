@@ -83,7 +83,13 @@
 // rate of 73% against 78%: the gathered rows are fetched from DRAM again and
 // again, the likely source of that latency (not established). An L2 prefetch
 // of each lane's next-but-two token row (cp.async.bulk.prefetch, 512 bytes)
-// made it far worse: 0.37-0.54x of the plain kernel.
+// made it far worse: 0.37-0.54x of the plain kernel. Nor is it mainly the
+// 2x1 cluster's multicast, which fc1's gathered wgrad loses because x is its
+// B: run with the operands swapped (dW1^T = x[index]^T . dg, x gathered as A,
+// dg multicast by TMA; bitwise the transpose of the plain result) it read
+// 0.70-0.77x of the plain kernel against 0.64-0.70x as built (H100,
+// 2026-11-27, Qwen3-, OLMoE- and DSv2-Lite-like, two runs), short of the
+// gather pass plus the plain kernel, so no column-major-D variant was built.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
