@@ -134,9 +134,9 @@ bool raster_along_n(const GemmShape& shape) {
 // reads 0.98-1.02x of the gathered cooperative kernel plus the SwiGLU pass
 // (0.95-1.03x over the 2026-11-27 runs; 1.04x on Qwen3- and OLMoE-like and
 // 1.00x on DSv2-Lite-like once its epilogue stored by bulk copies, one run
-// of three rounds): at parity or better, and one kernel. It
-// walks every group along M, so problems the cooperative kernel walks along
-// N (raster_along_n: few groups of many rows, not measured with this kernel)
+// of three rounds): at parity or better, and one kernel. It walks every
+// group along M, so problems the cooperative kernel walks along N
+// (raster_along_n: few groups of many rows, not measured with this kernel)
 // keep that one.
 bool prefer_pingpong_fprop(const GemmShape& shape, bool gathered, bool swiglu) {
   return shape.kind == MG_GEMM_FPROP && shape.dtype == MG_BFLOAT16 && shape.out_dtype == MG_BFLOAT16 &&

@@ -384,7 +384,6 @@ template <bool kSwiglu, class P, class Accum, class Coords>
 __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const Accum& accum, const Coords& coords,
                                            bf16* c_buf, bf16* h_buf, int warp, int lane) {
   static_assert(kEpilogueRows == 8, "a part is one of the two accumulator rows of each thread");
-  constexpr int kChunksPerRow = kBlockN / 8;
   constexpr int kParts = 16 / kEpilogueRows;  // per warp's 16 rows
   const int row_end = min(tile.row_end, p.rows);
   const int n0 = tile.n_tile * (kSwiglu ? kBlockN / 2 : kBlockN);
@@ -418,6 +417,7 @@ __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const A
     if constexpr (kSwiglu) {
       bulk_store_swiglu_rows(p, tile.row0 + first_row, row_end, n0, c_buf, h_buf, lane);
     } else {
+      constexpr int kChunksPerRow = kBlockN / 8;  // 16-byte stores per row
       __syncwarp();
       CUTE_UNROLL
       for (int it = 0; it < kEpilogueRows * kChunksPerRow / 32; ++it) {
