@@ -85,8 +85,8 @@ def shape_names(spec: str, known, option: str = "--shapes") -> list[str]:
     return names
 
 
-def write_results(bench: str, rows: list[dict]) -> pathlib.Path:
-    """Writes ``benchmarks/results/<bench>-<gpu>.json`` in the project's format."""
+def write_results(bench: str, rows: list[dict], **extra) -> pathlib.Path:
+    """Writes ``benchmarks/results/<bench>-<gpu>.json`` in the project's format (``extra``: more top-level keys)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{bench}-{gpu_tag()}.json"
     payload = {
@@ -94,6 +94,7 @@ def write_results(bench: str, rows: list[dict]) -> pathlib.Path:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "date": datetime.date.today().isoformat(),
+        **extra,
         "rows": rows,
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
