@@ -42,7 +42,7 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, run_ms, shape_names, shapes_parser, write_results  # noqa: E402
+from common import L2Flush, graphed, shape_names, shapes_parser, time_ms, write_results  # noqa: E402
 from experts_gemm_tiles import OPS, Experts  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import warm_up_clocks  # noqa: E402
@@ -101,7 +101,7 @@ def from_idle_ms(run, flush: L2Flush) -> float:
     """Median ms of RUNS flushed runs, after IDLE_S seconds with nothing on the GPU."""
     torch.cuda.synchronize()
     time.sleep(IDLE_S)
-    return statistics.median(run_ms(run, flush) for _ in range(RUNS))
+    return time_ms(run, warmup=0, repeats=RUNS, flush=flush)
 
 
 def steady(run, nvml: Nvml, run_ms_estimate: float) -> dict:
@@ -181,14 +181,15 @@ def summarize(rows: list[dict]) -> None:
     """Per shape: the core's GEMM energy against dense GEMMs of the same FLOPs, and the layer's two speeds."""
     print("\nenergy per step's GEMMs, relative to dense GEMMs of the same FLOPs (steady state):")
     for name in dict.fromkeys(r["shape"] for r in rows):
-        mine = {r["backend"]: 0.0 for r in rows if r["shape"] == name and r["op"] != "fwd_bwd"}
-        for r in rows:
-            if r["shape"] == name and r["op"] != "fwd_bwd":
-                mine[r["backend"]] += r["mj"]
-        if mine.get("dense"):
-            print(f"  {name:<15} " + "  ".join(f"{b} {mj / mine['dense']:.3f}x" for b, mj in mine.items()))
-        for r in rows:
-            if r["shape"] == name and r["op"] == "fwd_bwd":
+        shape_rows = [r for r in rows if r["shape"] == name]
+        energy = {}  # backend -> mJ of its six GEMMs
+        for r in shape_rows:
+            if r["op"] != "fwd_bwd":
+                energy[r["backend"]] = energy.get(r["backend"], 0.0) + r["mj"]
+        if energy.get("dense"):
+            print(f"  {name:<15} " + "  ".join(f"{b} {mj / energy['dense']:.3f}x" for b, mj in energy.items()))
+        for r in shape_rows:
+            if r["op"] == "fwd_bwd":
                 print(f"    {r['backend']:<18} step {r['ms']:.3f} ms from idle, {r['steady_ms']:.3f} ms back to back "
                       f"({r['steady_ms'] / r['ms']:.3f}x), {r['mj'] / 1e3:.2f} J at {r['watts']:.0f} W")
 
