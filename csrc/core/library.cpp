@@ -34,6 +34,9 @@ uint32_t capabilities() {
 #if defined(MG_HAVE_GROUPED_GEMM_16BIT) && defined(MG_HAVE_SWIGLU)
   caps |= MG_CAP_FPROP_SWIGLU;
 #endif
+#ifdef MG_HAVE_EP_TRANSPORT
+  caps |= MG_CAP_EP_TRANSPORT;
+#endif
   return caps;
 }
 
@@ -49,6 +52,7 @@ std::string describe() {
   if (caps & MG_CAP_FP8_QUANTIZE) info += ", fp8_quantize";
   if (caps & MG_CAP_SWIGLU) info += ", swiglu";
   if (caps & MG_CAP_FPROP_SWIGLU) info += ", fprop_swiglu_bf16";
+  if (caps & MG_CAP_EP_TRANSPORT) info += ", ep_transport";
   return info;
 }
 

@@ -1,6 +1,7 @@
 // Validation and device helpers shared by the grouped GEMM entry points.
 #include "gemm/api_common.h"
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 
@@ -22,6 +23,8 @@ mg_status check_kind(const char* op, mg_gemm_kind kind) {
   return ok();
 }
 
+std::atomic<int> sm_limits[kMaxDevices];
+
 mg_status sm_count(int device, int* out) {
   static std::once_flag flags[kMaxDevices];
   static int counts[kMaxDevices];
@@ -35,7 +38,8 @@ mg_status sm_count(int device, int* out) {
   if (errors[device] != cudaSuccess) {
     return cuda_fail(errors[device], "cudaDeviceGetAttribute(cudaDevAttrMultiProcessorCount)");
   }
-  *out = counts[device];
+  const int limit = sm_limits[device].load(std::memory_order_relaxed);
+  *out = limit > 0 && limit < counts[device] ? limit : counts[device];
   return MG_OK;
 }
 
@@ -138,3 +142,13 @@ mg_status check_out_dtype(const char* op, const char* name, mg_dtype dtype, mg_d
 }
 
 }  // namespace moe_grouped::gemm
+
+extern "C" mg_status mg_set_gemm_sm_limit(int device, int sms) {
+  using namespace moe_grouped;
+  if (device < 0 || device >= gemm::kMaxDevices) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "device must be in [0, %d), got %d", gemm::kMaxDevices, device);
+  }
+  if (sms < 0) return fail(MG_ERROR_INVALID_ARGUMENT, "sms must be 0 (no limit) or positive, got %d", sms);
+  gemm::sm_limits[device].store(sms, std::memory_order_relaxed);
+  return ok();
+}

@@ -90,6 +90,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_GATHERED_GEMM 64u
 #define MG_CAP_DGRAD_SWIGLU 128u
 #define MG_CAP_FPROP_SWIGLU 256u
+#define MG_CAP_EP_TRANSPORT 512u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -152,6 +153,12 @@ typedef struct mg_grouped_problem {
   int device;
   int workspace_slot;     /* MG_SLOT_FPROP_DGRAD or MG_SLOT_WGRAD */
 } mg_grouped_problem;
+
+/* The grouped GEMMs launched afterwards on `device` from this process use at
+ * most `sms` SMs (0: all), so that a kernel on another stream (e.g. an
+ * expert-parallel combine) can run beside them on the others. Read when a
+ * GEMM is launched: a captured graph keeps the value of its capture.       */
+MG_API mg_status mg_set_gemm_sm_limit(int device, int sms);
 
 /* Bytes of workspace `kind` needs for this problem (reserve before capture). */
 MG_API mg_status mg_grouped_gemm_workspace_size(const mg_grouped_problem* p,
@@ -491,6 +498,73 @@ MG_API mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g, co
                                              int num_groups, mg_dtype dtype, int64_t rows,
                                              int64_t ffn, void* dg, void* wh, float* dprob,
                                              void* stream);
+
+/* ---- expert parallelism within a node (MG_CAP_EP_TRANSPORT) -------------
+ * Dispatch and combine between the ranks of an expert-parallel group whose
+ * GPUs reach each other's memory (NVLink or PCIe peer access). Each rank owns
+ * one buffer of the same size and layout (e.g. torch symmetric memory) and
+ * passes where every rank's buffer is mapped in its own address space
+ * (base[r]); regions are byte offsets, the same on every rank. A rank
+ * publishes what it sends into its own buffer, stream-ordered before the
+ * call; each call starts with a barrier of the whole group through flags in
+ * the buffers (no host sync: capturable) and then reads from the peers.
+ * Every rank must make the same calls in the same order, and two calls in a
+ * row must read different regions (dispatch and combine alternate): a rank
+ * republishes a region only after the next call's barrier. A rank that waits
+ * 100 s at a barrier stops its kernel with a device trap. Deterministic.
+ *
+ * Layout of a dispatch to rank d with S rows per source: rank d's output row
+ * s * S + p is source s's p-th row for d, zeros past counts_s[d].           */
+#define MG_EP_MAX_RANKS 16
+typedef struct mg_ep_group {
+  int rank;
+  int world_size;         /* 1..MG_EP_MAX_RANKS */
+  int num_blocks;         /* CTAs of each call, one per SM */
+  const void* base[MG_EP_MAX_RANKS];
+  int64_t flags_offset;   /* [world_size] uint64, zero before the first call */
+  int64_t state_offset;   /* 16 bytes this rank alone uses, zero before the first call */
+} mg_ep_group;
+
+typedef struct mg_ep_dispatch_args {
+  int64_t segment_rows;   /* S */
+  int64_t counts_offset;  /* [world_size] int32: rows the publisher sends each rank (<= S) */
+  int64_t index_offset;   /* [world_size, S] int32: the published row of each, by destination */
+  int64_t rows_offset;    /* [*, row_bytes] published rows, 16-byte aligned */
+  int64_t row_bytes;      /* a positive multiple of 16 */
+  int64_t extra_offset;   /* [*, extra_bytes] published per-row extras (same index) */
+  int64_t extra_bytes;    /* a multiple of 4; 0: none */
+  void* out_rows;         /* [world_size * S, row_bytes] */
+  void* out_extra;        /* [world_size * S, extra_bytes], NULL when extra_bytes is 0 */
+} mg_ep_dispatch_args;
+MG_API mg_status mg_ep_dispatch(const mg_ep_group* group, const mg_ep_dispatch_args* args, void* stream);
+
+/* out[t] = sum over ranks d = 0..world_size-1, in that order, with
+ * pos[t, d] >= 0 of rank d's partial row rank * S + pos[t, d], in fp32,
+ * rounded to dtype; out_extra likewise from float32 extra columns.         */
+typedef struct mg_ep_combine_args {
+  int64_t segment_rows;   /* S */
+  int64_t num_tokens;
+  const int32_t* pos;     /* [num_tokens, world_size], -1: nothing from that rank */
+  int64_t partial_offset; /* [world_size * S, hidden] of dtype, 16-byte aligned */
+  int64_t hidden;         /* hidden * element size: a multiple of 16 */
+  mg_dtype dtype;         /* float32, float16 or bfloat16 */
+  void* out;              /* [num_tokens, hidden] */
+  int64_t extra_offset;   /* [world_size * S, extra_cols] float32 */
+  int64_t extra_cols;     /* 0..64; 0: none */
+  float* out_extra;       /* [num_tokens, extra_cols], NULL when extra_cols is 0 */
+} mg_ep_combine_args;
+MG_API mg_status mg_ep_combine(const mg_ep_group* group, const mg_ep_combine_args* args, void* stream);
+
+/* Where this rank's tokens go: experts [num_tokens, top_k] global indices
+ * (outside [0, experts_per_rank * world_size): no copy), rank r owning
+ * experts r * experts_per_rank onwards. A token goes once to every rank that
+ * owns one of its experts, in token order: pos[t, r] its row in the
+ * segment for r (-1: none), index[r, p] the token of row p (-1 past the
+ * count), counts[r] the rows (at most segment_rows; the caller keeps every
+ * destination within it). One CTA.                                          */
+MG_API mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int top_k, int experts_per_rank,
+                            int world_size, int64_t segment_rows, int32_t* pos, int32_t* index,
+                            int32_t* counts, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
