@@ -98,26 +98,9 @@ __global__ void __launch_bounds__(kThreads)
 // registers. The tile also goes to shared memory, where the column pass reads
 // it down the columns: a warp takes four columns, eight lanes per column,
 // each lane one 16-token segment, so a warp writes four 128-byte runs of qt.
-//
-// One tile per CTA, loaded through registers, measured best on the H100: a
-// persistent variant copying tiles with cp.async into two shared stages (no
-// registers held, column pairs per lane, tiles claimed from an atomic
-// counter, a programmatic dependent launch after the layout kernel) took
-// 2-7% longer on every benchmark shape (6-40% with a fixed tile share per
-// CTA), as did prefetching the next tile into registers and forcing 4-5 CTAs
-// per SM.
-//
 // The kernel is bound by its memory access pattern, not by instructions or
-// occupancy (H100): with the arithmetic taken out (scale 1, conversion by
-// truncation) it ran no faster (2.28 against 2.27 TB/s on (8,16384,14336)),
-// and a version taking the amax on packed bf16x2 pairs, two columns per lane
-// in the column pass (64 registers: four CTAs per SM rather than three), was
-// 1-4% slower with the row-wise copy and within 2% without. What did move
-// it was the last 16-token segment of each group: stored byte by byte when
-// partial, it left a DRAM sector partly written, which costs the memory a
-// read-modify-write. The whole segment is stored instead (see column_pass):
-// the benchmark's skewed splits went from 9-40% slower than balanced splits
-// to 3-12%, 1.02-1.33x faster.
+// occupancy; one tile per CTA, loaded through registers, measured best
+// (docs/kernels.md, "FP8 quantize").
 
 constexpr int kTileRows = kBlock;  // tokens per tile: one column-wise block
 constexpr int kTileCols = kBlock;  // columns per tile: one row-wise block
@@ -137,13 +120,10 @@ __device__ inline int tile_offset(int r, int c) {
 //
 // Offsets o_e, padded starts p_e and block starts b_e (see the C ABI header)
 // from device m_splits, with the clamping of scan_splits_columnwise. Each CTA
-// scans the E counts itself (they stay in L2 after the first CTAs). Against
-// a one-block layout kernel ahead of the quantizer (6 us per call), its
-// results read back with a binary search per CTA, this measured on the H100
-// (benchmarks/fp8.py, skewed splits): column-wise 1.03-1.09x, row-wise and
-// column-wise 1.01-1.07x, with dbias 1.02-1.08x. The dbias kernel's CTAs,
-// many and short, do not scan: a version where they did was 1.2x slower
-// with dbias at E = 128; CTA 0 of the quantizer writes b_e for them.
+// scans the E counts itself (they stay in L2 after the first CTAs), which
+// measured faster than a one-block layout kernel ahead of the quantizer. The
+// dbias kernel's CTAs, many and short, do not scan (that was slower): CTA 0
+// of the quantizer writes b_e for them.
 
 struct Splits {
   const void* data;
@@ -333,7 +313,8 @@ __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs&
     const float scale = compute_scale(amax, a.fp8_max, a.pow2, a.epsilon);
     // A partial segment (the group's last) is stored whole: the tile's rows
     // past valid_rows are zeros, which land in the group's own padding up to
-    // round_up(m_e, 16), so every 16-byte run of qt is written at once.
+    // round_up(m_e, 16), so every 16-byte run of qt is written at once (a
+    // partly written DRAM sector costs the memory a read-modify-write).
     if (segment_rows > 0) {
       store_fp8x16(qt_block + col * a.padded_rows, pack_fp8x16<kE4M3>(v, scale), kSegment, vector);
     }
@@ -500,11 +481,9 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.num_groups = num_groups;
     args.col_tiles = col_tiles;
     args.padded_rows = (rows + 15) / 16 * 16 + 16 * static_cast<int64_t>(num_groups);
-    // Column-wise only: bands of two column tiles (H100, benchmarks/fp8.py:
-    // 2.28 -> 2.62 TB/s on (8,16384,14336), 2.07 -> 2.14 on (32,32768,2048),
-    // against the walk over all columns). With the row-wise copy as well, the
-    // walk over all columns (the row-wise writes want whole rows): bands of
-    // 4 and 8 were 1-9% slower there.
+    // Column-wise only: bands of two column tiles. With the row-wise copy as
+    // well, the walk over all columns (the row-wise writes want whole rows).
+    // Measured: docs/kernels.md, "FP8 quantize".
     args.band = rowwise || col_tiles < 2 ? col_tiles : 2;
     args.fp8_max = fp8_max;
     args.pow2 = config.pow2_scales != 0;

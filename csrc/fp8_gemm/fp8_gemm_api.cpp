@@ -31,13 +31,11 @@ const Fp8KernelList& all_kernels(int index) {
 }
 constexpr int kKernelLists = 5;
 
-// The schedule the heuristic picks, fixed by shapes known before capture.
-// H100 (benchmarks/results/fp8-h100.json and the wgrad sweep in the FP8
-// issue's notes), E4M3 wgrad into fp32: with at most 1024 tokens per expert
-// on average (the GEMM's reduction length) the ping-pong kernel's overlapped
-// epilogue wins (E=32, 1024 tokens: 518 vs 436 TFLOP/s); with 2048 (Mixtral
-// shapes) the cooperative kernel does (636 vs 575). Everything else:
-// cooperative, the only schedule built.
+// The schedule the heuristic picks, fixed by shapes known before capture:
+// wgrad with at most 1024 tokens per expert on average (the GEMM's reduction
+// length) runs the ping-pong kernel, whose overlapped epilogue wins on short
+// reductions (built for E4M3 into fp32; docs/kernels.md, "FP8 GEMMs").
+// Everything else: cooperative, the only schedule built.
 constexpr int64_t kPingpongMaxTokensPerExpert = 1024;
 
 // MOE_GROUPED_FP8_SCHEDULE=cooperative|pingpong overrides the heuristic where

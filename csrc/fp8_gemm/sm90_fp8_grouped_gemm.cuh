@@ -3,23 +3,10 @@
 // A and B block scales at every 128-deep K block. Like the 16-bit kernels
 // (gemm/sm90_grouped_gemm.cuh) they are driven entirely from device memory:
 // a one-block setup kernel turns m_splits into per-group shapes, data and
-// scale pointers and strides in the workspace.
-//
-// Hopper's fp8 wgmma reads both operands K-major, so every operand here is
-// K-major (A row-major, B "column-major"), and the quantizers lay the data
-// out that way. Per expert e with m_e tokens at row offset o_e (CUTLASS
-// M x N x K):
-//   fprop  M=m_e, N=n, K=k:  A = xq[o_e:, :k], scales xs[o_e:, :] (1 x 128,
-//          K-major, ceil(k/128) per row); B = Wq_e [n, k], scales
-//          [ceil(n/128), ceil(k/128)] (128 x 128, K-major).
-//   dgrad  M=m_e, N=k, K=n:  A = dyq[o_e:, :n], scales [m, ceil(n/128)];
-//          B = WqT_e [k, n], scales [ceil(k/128), ceil(n/128)].
-//   wgrad  M=n, N=k, K=m_e:  A = dyT[:, p_e:] [n, m_e] with leading dimension
-//          padded_rows, scales [ceil(m_e/128), n] at block row b_e (1 x 128
-//          along the tokens, MN-major); B = xT[:, p_e:] [k, m_e], scales
-//          [ceil(m_e/128), k] at b_e. p_e and b_e: see scan_splits_columnwise.
-// CUTLASS derives each group's scale layout from its problem shape, packed;
-// the layouts above are exactly those packed layouts.
+// scale pointers and strides in the workspace. Hopper's fp8 wgmma reads both
+// operands K-major, so every operand here is K-major (A row-major, B
+// "column-major"), and the quantizers lay the data out that way.
+// Design notes and measurements: docs/kernels.md, "FP8 GEMMs".
 #pragma once
 
 #include <cutlass/detail/blockwise_scale_layout.hpp>
@@ -42,6 +29,19 @@ struct Fp8ElementOf<MG_FLOAT8_E4M3> { using type = cutlass::float_e4m3_t; };
 template <>
 struct Fp8ElementOf<MG_FLOAT8_E5M2> { using type = cutlass::float_e5m2_t; };
 
+// Layouts per expert e with m_e tokens at row offset o_e (CUTLASS M x N x K):
+//   fprop  M=m_e, N=n, K=k:  A = xq[o_e:, :k], scales xs[o_e:, :] (1 x 128,
+//          K-major, ceil(k/128) per row); B = Wq_e [n, k], scales
+//          [ceil(n/128), ceil(k/128)] (128 x 128, K-major).
+//   dgrad  M=m_e, N=k, K=n:  A = dyq[o_e:, :n], scales [m, ceil(n/128)];
+//          B = WqT_e [k, n], scales [ceil(k/128), ceil(n/128)].
+//   wgrad  M=n, N=k, K=m_e:  A = dyT[:, p_e:] [n, m_e] with leading dimension
+//          padded_rows, scales [ceil(m_e/128), n] at block row b_e (1 x 128
+//          along the tokens, MN-major); B = xT[:, p_e:] [k, m_e], scales
+//          [ceil(m_e/128), k] at b_e. p_e and b_e: see scan_splits_columnwise.
+// CUTLASS derives each group's scale layout from its problem shape, packed;
+// the layouts above are exactly those packed layouts.
+//
 // Scale granularity (M, N, K) and majorness per kind. fprop and dgrad read
 // row-wise activation scales (one per row per 128 columns: K-major) and
 // 128x128 weight scales; wgrad reads column-wise scales of both operands
@@ -62,32 +62,11 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 // kWideTile below). Ping-pong: each warpgroup owns a 64x128 tile and its
 // epilogue overlaps the other's mainloop.
 //
-// CUTLASS's mainloop waits for each K block's wgmmas before promoting them.
-// For wgrad that promotion costs real time: with the B scales taken out of
-// it (the row scale only, one FMA per value and no per-column scale loads;
-// wrong results, a measurement only) the wgrad ran 1.10-1.26x faster into
-// bf16 on the E=8 benchmark shapes (H100). Hiding it behind tensor-core work
-// was measured five ways and none was kept: (1) two temporaries, block
-// k+1's wgmmas running during block k's promotion: fprop/dgrad 0.93-1.07x,
-// wgrad 0.59-0.90x (192 accumulator registers plus the per-column scales
-// spill past the consumers' 232);
-// (2) wgrad as two 64x64 halves per warpgroup, one half promoted while the
-// other runs (no spills, bitwise equal): wgrad into bf16 0.85-1.07x, into
-// fp32 0.93-1.06x. Both need a warpgroup barrier between reading a stage's
-// scales and releasing it: only a few threads signal the producers, and
-// without it the results were not deterministic. (3) wgrad with the two
-// warpgroups taking turns (named barriers: warpgroup 1 issues a K block's
-// wgmmas only after warpgroup 0 has, and the other way round, so that one
-// promotes while the other's block runs; the H100 profile had shown the
-// tensor pipe 46% busy): bitwise equal, 0.92-1.01x into bf16 on the five
-// benchmark shapes. (4) the 64 products sA[row] * sB[col] formed while the K
-// block's wgmmas run, from B scales the scale producer stores permuted so
-// that a thread reads eight 16-byte chunks instead of sixteen 8-byte ones,
-// then one FMA per value: 0.88-1.01x into bf16 on the E=8 shapes (ptxas
-// issued the loads and multiplies between the first and second wgmma); (5)
-// the same with a barrier after the fourth wgmma keeping them there:
-// 0.85-0.92x. Shared-memory loads and FP32 work issued while a warpgroup's
-// wgmmas run slow those wgmmas about as much as they save.
+// CUTLASS's mainloop waits for each K block's wgmmas before promoting them
+// with the scales. For wgrad that promotion costs real time, but the five
+// ways of hiding it behind tensor-core work that were measured gained nothing
+// (docs/kernels.md, "FP8 GEMMs"): shared-memory loads and FP32 work issued
+// while a warpgroup's wgmmas run slow those wgmmas about as much as they save.
 template <Fp8Schedule S>
 struct ScheduleTraits;
 template <>
@@ -121,25 +100,20 @@ struct Fp8GroupedGemm {
   using ElementAccumulator = float;
   static constexpr bool kBlockScaled = true;  // per-group scale pointers in the Workspace
   // D through CUTLASS's per-CTA maps, rewritten in the kernel at each change of
-  // group. The 16-bit kernels' prebuilt per-group maps
-  // (gemm/sm90_prebuilt_store_epilogue.cuh) were tried on the cooperative FP8
-  // kernels: bitwise equal, but fprop/dgrad at 0.91-0.95x on Qwen3- and
-  // DeepSeek-V2-Lite-like shapes (H100, graphed, top-k splits), 1.00x
-  // elsewhere, wgrad 1.00-1.01x. Not used here.
+  // group: the 16-bit kernels' prebuilt per-group maps
+  // (gemm/sm90_prebuilt_store_epilogue.cuh) made the cooperative FP8
+  // fprop/dgrad slower (docs/kernels.md, "Store maps").
   static constexpr bool kPrebuiltStore = false;
   static constexpr bool kSwigluBackward = false;  // no SwiGLU-backward epilogue (finish_launch)
-  // fprop and dgrad: 128x256 tiles through WideTileMainloop, 1.00-1.11x the
-  // 128x128 CUTLASS mainloop on every benchmark shape (H100, fprop up to
-  // 1240 TFLOP/s on (8,16384,4096,14336)). wgrad: CUTLASS's mainloop on the
-  // schedule's tile; the same scheme on a 256x128 wgrad tile (two 64x128
-  // subtiles per warpgroup, per-column scales held across both) spills 120 B
-  // and measured 0.99-1.05x into bf16, 0.93-1.06x into fp32: not kept.
+  // fprop and dgrad: 128x256 tiles through WideTileMainloop, at least as fast
+  // as the 128x128 CUTLASS mainloop on every benchmark shape. wgrad: CUTLASS's
+  // mainloop on the schedule's tile (the same split on a 256x128 wgrad tile
+  // spills and gained nothing). docs/kernels.md, "FP8 GEMMs".
   static constexpr bool kWideTile = Kind != MG_GEMM_WGRAD && Schedule == Fp8Schedule::kCooperative;
   using Tile = std::conditional_t<kWideTile, cute::Shape<_128, cute::_256, _128>,
                                   typename ScheduleTraits<Schedule>::Tile>;
-  // Pairs sharing the A tile (TMA multicast of A). H100 fprop with 2x2 or 2x1
-  // clusters instead: 0.78-0.99x and 0.74-1.06x on the benchmark shapes
-  // (128x128 tiles); with the 128x256 tile, 2x1: fprop and dgrad 0.92-1.08x.
+  // Pairs sharing the A tile (TMA multicast of A); 2x2 and 2x1 clusters
+  // measured no better (docs/kernels.md, "FP8 GEMMs").
   using Cluster = cute::Shape<_1, _2, _1>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;

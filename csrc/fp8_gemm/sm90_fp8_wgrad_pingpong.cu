@@ -1,5 +1,5 @@
-// FP8 block-scaled wgrad on the ping-pong schedule (E4M3 dy, fp32 main_grad):
-// measured against the cooperative kernel, see fp8_gemm_api.cpp.
+// FP8 block-scaled wgrad on the ping-pong schedule (E4M3 dy, fp32 main_grad),
+// which fp8_gemm_api.cpp picks for short reductions (docs/kernels.md).
 #include "fp8_gemm/sm90_fp8_grouped_gemm.cuh"
 
 namespace moe_grouped::fp8_gemm {

@@ -1,25 +1,18 @@
 // The consumer side of CUTLASS's SM90 ptr-array FP8 blockwise mainloop for
 // fprop and dgrad (one A scale per row and one B scale per 128x128 block of
-// every 128-deep K block) on a 128x256 tile.
-//
-// At 128x128, per K block the two consumer warpgroups' wgmmas read 48 KB of
-// operands from shared memory and the TMA writes 32 KB into it for 4.2
-// MFLOP: more bytes per clock than shared memory delivers at the tensor
-// cores' rate (the H100 profile of the fprop showed L1/TEX and L2 both near
-// 78% with the tensor pipe at 65%). A 128x256 tile moves 144 KB for 8.4
-// MFLOP. CUTLASS's own mainloop cannot run that tile: its m64n256 temporary
-// (128 registers) next to the 128 accumulators does not fit in the
-// consumers' 232, so here each warpgroup computes its 64x256 tile as two
-// 64x128 halves through one 64-register temporary, each promoted as soon as
-// its wgmmas finish. The promotion uses CUTLASS's expression (row scale
-// times block scale, then one FMA), so the results are the same bits as
-// CUTLASS's 128x128 kernel.
-//
+// every 128-deep K block) on a 128x256 tile, which asks less of shared memory
+// per FLOP than 128x128 (at 128x128 shared memory cannot feed the tensor
+// cores: docs/kernels.md, "FP8 GEMMs"). CUTLASS's own mainloop cannot run the
+// tile: its m64n256 temporary (128 registers) next to the 128 accumulators
+// does not fit in the consumers' 232, so here each warpgroup computes its
+// 64x256 tile as two 64x128 halves through one 64-register temporary, each
+// promoted as soon as its wgmmas finish, with CUTLASS's expression (row scale
+// times block scale, then one FMA): the same bits as CUTLASS's 128x128 kernel.
 // Everything else (TMA producer, pipeline, scale staging, shared storage,
 // arguments) is the CUTLASS collective's: this type derives from it and hides
-// only mma(), which the kernels call on the collective they are given.
-// Release order is the base's: mma() releases all but the last stage,
-// mma_tail() the last.
+// only mma(), which the kernels call on the collective they are given. Release
+// order is the base's: mma() releases all but the last stage, mma_tail() the
+// last.
 #pragma once
 
 #include <cute/tensor.hpp>

@@ -15,11 +15,8 @@ namespace moe_grouped::gemm {
 // grouped_gemm_api.cpp lists what was instantiated, and kCoop128x256 exists
 // for all of them but the SwiGLU-backward dgrad (built on one tile); a
 // configuration that is not built for a call falls back to kCoop128x256, or
-// where that is missing too, to the first one built. Ping-pong 128x128,
-// ping-pong 64x256, cooperative 128x128, cooperative 128x256 with a 1x2
-// cluster, cooperative 256x128 with a 1x2 cluster and, for fprop/dgrad,
-// 128x64 epilogue pieces were built, measured and dropped (see
-// heuristic.cpp).
+// where that is missing too, to the first one built. The other tiles,
+// clusters and epilogue pieces measured and dropped: docs/kernels.md.
 enum class TileConfig : int {
   kCoop128x256 = 0,       // cooperative, 128x256x64 tile, 2x1 cluster
   kCoop128x256NoCluster,  // cooperative, 128x256x64 tile, 1x1 cluster (16-bit fprop and dgrad)

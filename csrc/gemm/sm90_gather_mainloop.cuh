@@ -5,91 +5,12 @@
 //
 // It is CUTLASS's ptr-array TMA warp-specialized mainloop (the base class;
 // the consumer side is untouched) with its producer's load replaced for a
-// gathered operand: two producer warps (the mainloop warp and the kernel's
-// auxiliary-load warp, which GatherPolicy switches on) copy its 16-byte
-// chunks with cp.async, each to the place the operand's 128-byte swizzle
-// gives it in the stage's buffer, so the MMA reads the stage as if TMA had
-// filled it. The other operand still comes by TMA (multicast included). An
-// index outside [0, source_rows), a row past the group's end and columns past
-// the operand's width read zeros (cp.async's zero fill).
-//
-// Which dimension the index runs along follows from the operand's layout:
-//   K-major (fprop/dgrad A, x[M, K]): the index picks the tile's M rows; each
-//     k-tile copies 128 bytes of every row (4 rows per instruction).
-//   MN-major (wgrad A = dy^T, B = x; K = the group's tokens): the index picks
-//     the k-tile's 64 token rows; each copies BLK_MN elements of its row.
-//
-// Completion: every lane of both warps arrives on the stage's full barrier
-// with cp.async.mbarrier.arrive (pending until its copies land); the warps
-// then meet at a named barrier, and only then does the leader arrive with
-// arrive_and_expect_tx, whose byte count covers only the TMA operand
-// (Params::tma_transaction_bytes, which the kernel gives the pipeline).
-//
-// Producer cost is what limits these kernels: the two producer warps run at
-// the kernel's 40 registers, one instruction at a time each, and the stage
-// must be filled as fast as the MMA drains it (ncu: the consumers wait on
-// the full barrier while the producers stall on their own dependent
-// instructions). Hence one cp.async per copy with few address instructions
-// (copy_tokens), and no code for an operand a kernel never gathers
-// (kMayGatherB). Measured on the H100 against the plain kernel on a ready
-// permuted copy (benchmarks/gathered_gemm.py, results/gathered_gemm-
-// h100.json, five shapes): fprop 0.90-1.12x, dgrad 0.89-1.06x, wgrad 0.66-
-// 0.80x. The earlier producer (a 64-bit address shuffled to the warp per
-// copy, about 14 instructions each) gave fprop 0.75-0.83x, dgrad 0.79-0.81x
-// and wgrad 0.37-0.52x in an in-process A/B on the Qwen3- and OLMoE-like
-// shapes. The MN-major indices are loaded a k-tile ahead; with the earlier
-// producer that alone changed nothing (it was issue-bound, not waiting on
-// the index), and it stayed with the new one, not measured apart. Tried and
-// dropped (same A/B): one TMA box per 128-byte row (exact, as the hardware
-// swizzles by address, but 2.5-7x the plain kernel's time: the TMA unit's
-// per-box cost); one producer warp (0.31-0.67x of the copy plus the plain
-// kernel); the K-major copy addressed like the MN-major one from 32-bit
-// rows (dgrad 0.52x against 0.59x for this copy, both with B's copy still
-// compiled in); a wgrad kernel with only B's copy compiled (fc1 wgrad 3-4%
-// faster); and the MN-major copies shuffling a 64-bit row offset worked out
-// once per k-tile, with the line offsets as immediates (fc1 wgrad 0.67 ->
-// 0.72x, but fc2 wgrad 0.79 -> 0.77x and 0.66-0.71 -> 0.62-0.64x).
-//
-// Also dropped: fprop/dgrad writing the gathered A tiles back as the permuted
-// copy (fc2's dgrad would then hand fc2's wgrad its dy rows and the
-// backward's gather pass would go). The leader stored each k-tile from its
-// stage by TMA through A's own per-group map (clipped at m_e) and, since the
-// copies of the next fill go to that stage, had to wait for the store to read
-// it before the warps' named barrier: with four stages there is no slack to
-// hide that wait. H100, 2026-11-26, the five issue-19 shapes, one process:
-// as its own instantiation the copy variant took 1.3-2.0x the gathered
-// kernel's time (0.56-0.73x as fast as the gather pass plus the plain
-// kernel); as a runtime switch in this shared producer code it also made
-// the gathered kernels with the stores off about 1.5x slower (Qwen3-like
-// fc2 dgrad 0.65 -> 0.97-1.03 ms), the producer warps' 40 registers again.
-// And a 256x128 tile for the gathered wgrad, which halves the gathered
-// bytes per k-tile of fc1's (x's 64 rows x 128 columns instead of 256) for
-// the same MMA work: against the plain kernel on a ready copy, fc1 0.69-
-// 0.74x (0.62-0.75x on 128x256 in the same run), fc2 0.62-0.70x (0.70-
-// 0.75x); so not the bytes alone, and still slower than the copy plus the
-// plain kernel everywhere (H100, 2026-11-26, five shapes, no cluster). Nor
-// the index's latency: loading the MN-major indices 2 or 4 k-tiles ahead
-// instead of 1 (a few registers) gave 0.62-0.83x of the plain kernel against
-// 0.60-0.77x, shape by shape within the run-to-run spread (same day).
-// What ncu shows instead (fc1's gathered wgrad, Qwen3-like, same day): 45%
-// of the warp samples are the consumers waiting on a stage's full barrier,
-// 16% the producer warps' copy code, and the producers' wait for a free
-// stage had to retry on 71% and 20% of their k-tiles: they are often a whole
-// pipeline ahead, so the four stages in flight do not cover the gathered
-// copies' latency; issuing the copies is no longer the limit. Its memory
-// sections against the plain wgrad on the copy: the same DRAM throughput
-// (40%) for 1.74 ms against 1.28 ms, so about 2.3 GB read and written
-// against 1.7 GB although x is an eighth of the copy's size, and an L2 hit
-// rate of 73% against 78%: the gathered rows are fetched from DRAM again and
-// again, the likely source of that latency (not established). An L2 prefetch
-// of each lane's next-but-two token row (cp.async.bulk.prefetch, 512 bytes)
-// made it far worse: 0.37-0.54x of the plain kernel. Nor is it mainly the
-// 2x1 cluster's multicast, which fc1's gathered wgrad loses because x is its
-// B: run with the operands swapped (dW1^T = x[index]^T . dg, x gathered as A,
-// dg multicast by TMA; bitwise the transpose of the plain result) it read
-// 0.70-0.77x of the plain kernel against 0.64-0.70x as built (H100,
-// 2026-11-27, Qwen3-, OLMoE- and DSv2-Lite-like, two runs), short of the
-// gather pass plus the plain kernel, so no column-major-D variant was built.
+// gathered operand: two producer warps copy its 16-byte chunks by cp.async to
+// where the operand's 128-byte swizzle puts them, so the MMA reads the stage
+// as if TMA had filled it. The other operand still comes by TMA (multicast
+// included). An index outside [0, source_rows), a row past the group's end and
+// columns past the operand's width read zeros (cp.async's zero fill).
+// Design notes and measurements: docs/kernels.md, "Gathered mainloop".
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -155,10 +76,9 @@ struct GatherMainloop : Base {
   static constexpr bool kAKMajor = !cutlass::gemm::detail::is_major<0, typename Base::StrideA>();
   static constexpr bool kBKMajor = !cutlass::gemm::detail::is_major<0, typename Base::StrideB>();
   // Only wgrad (both operands MN-major) reads B through an index; fprop and
-  // dgrad load their weights by TMA, so their kernels leave B's copy out.
-  // Compiled in, though never run, it cost the gathered dgrad a third of its
-  // speed (0.59-0.63x of the plain kernel against 0.90-0.91x without, H100,
-  // Qwen3- and OLMoE-like): the producer warps' 40 registers must hold both.
+  // dgrad load their weights by TMA, so their kernels leave B's copy out: the
+  // producer warps' 40 registers must hold whatever is compiled in, and B's
+  // copy, though never run, cost the gathered dgrad a third of its speed.
   static constexpr bool kMayGatherB = !kAKMajor && !kBKMajor;
   static constexpr int kBlockM = cute::size<0>(TileShape{});
   static constexpr int kBlockN = cute::size<1>(TileShape{});
@@ -267,8 +187,7 @@ struct GatherMainloop : Base {
   // slots' rows (row_addresses, once per tile: the rows stay over the K
   // loop). Slot s is 32 tile rows; each instruction moves 4 rows' 128 bytes
   // of the k-tile, every lane keeping one 16-byte chunk column. (Addressing
-  // these like the MN-major copy below, from 32-bit rows, measured slower;
-  // see the top of this file.)
+  // these from 32-bit rows, like copy_tokens, measured slower.)
   template <int Slots>
   CUTLASS_DEVICE static void copy_tile(uint32_t stage_addr, const RowGatherOperand& op, const uint64_t (&rows)[Slots],
                                        int first_slot, int lane, int k_tile) {
@@ -307,9 +226,8 @@ struct GatherMainloop : Base {
   // swizzle atom) depends only on the instruction's parity. The addresses
   // are then a few registers plus constants, and one shuffle serves four
   // tokens' lines. (Broadcasting each token's 64-bit address to the warp, as
-  // the K-major copy does, took about 14 instructions per copy here; the two
-  // producer warps could not issue them as fast as the MMA consumed the
-  // stages, and the gathered wgrad ran at 0.4-0.7x of the plain kernel.)
+  // copy_tile does, took about 14 instructions per copy here: more than the
+  // two producer warps can issue while the MMA drains a stage.)
   template <int BlockMN, bool FullWidth>
   CUTLASS_DEVICE static void copy_tokens(uint32_t stage_addr, const RowGatherOperand& op, int32_t token_row,
                                          int first_token, int lane, int mn_start) {
@@ -350,10 +268,15 @@ struct GatherMainloop : Base {
     }
   }
 
-  // One k-tile of a gathered operand into `stage`. K-major: the k-tile's
-  // columns of the tile's rows, whose addresses `rows` holds. MN-major:
-  // BLK_MN columns from mn_start of the k-tile's tokens, this lane's in
-  // token_row; the full-width copy skips the column checks.
+  // One k-tile of a gathered operand into `stage`. The operand's layout says
+  // which dimension the index runs along:
+  //   K-major (fprop/dgrad A, x [M, K]): the index picks the tile's M rows,
+  //     whose addresses `rows` holds; each k-tile copies 128 bytes of every
+  //     row (4 rows per instruction).
+  //   MN-major (wgrad A = dy^T, B = x; K = the group's tokens): the index
+  //     picks the k-tile's 64 token rows (this lane's in token_row); each
+  //     copies BLK_MN columns of its row from mn_start. The full-width copy
+  //     skips the column checks.
   template <class SmemLayout, bool KMajor, int BlockMN, class Element, int Slots>
   CUTLASS_DEVICE static void copy_operand(Element* smem, const RowGatherOperand& op, const uint64_t (&rows)[Slots],
                                           int32_t token_row, int first_slot, int lane, int stage, int mn_start,
@@ -383,6 +306,11 @@ struct GatherMainloop : Base {
   // pending cp.async arrivals are on the barrier before the leader arrives.
   static constexpr uint32_t kGatherBarrier = 7;  // a user named barrier (hardware id 15)
 
+  // Completion of a stage: every lane of both warps arrives on its full
+  // barrier with cp.async.mbarrier.arrive (pending until its copies land); the
+  // warps then meet at kGatherBarrier, and only then does the leader arrive
+  // with arrive_and_expect_tx, whose byte count covers only the TMA operand
+  // (Params::tma_transaction_bytes, which the kernel gives the pipeline).
   template <class TensorA, class TensorB, class TensorMapA, class TensorMapB, class KTileIterator, class BlockCoord>
   CUTLASS_DEVICE void produce(int part, Params const& params, MainloopPipeline& pipeline, PipelineState smem_pipe_write,
                               cute::tuple<TensorA, TensorB, GroupRows> const& load_inputs,

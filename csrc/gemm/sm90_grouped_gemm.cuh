@@ -6,16 +6,7 @@
 // One GroupedGemm<...> is one compiled kernel: operand and output types, the
 // GEMM kind (which fixes the layouts) and a tile configuration. The sm90_*.cu
 // translation units instantiate the ones we ship and list them in a table.
-//
-// Layouts, per expert e with m_e tokens at row offset o_e (CUTLASS M x N x K):
-//   fprop  M=m_e, N=n, K=k:  A = x[o_e:, :k] row-major, B = W_e^T (W_e [n, k]
-//          row-major is a K-major "column-major" B), D = y[o_e:, :n].
-//   dgrad  M=m_e, N=k, K=n:  A = dy[o_e:, :n] row-major, B = W_e as [n, k]
-//          row-major (N-major B), D = dx[o_e:, :k].
-//   wgrad  M=n, N=k, K=m_e:  A = dy_e^T (M-major), B = x_e (N-major),
-//          C = D = dW_e [n, k] row-major. Groups with m_e = 0 get M = 0 (no
-//          tiles; the kernel would otherwise store uninitialised
-//          accumulators) and, without accumulation, a zero fill.
+// Design notes and measurements: docs/kernels.md.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -83,6 +74,15 @@ template <>
 struct TileTraits<TileConfig::kCoop128x256Epi128x64>
     : Coop128x256Traits<cute::Shape<_2, _1, _1>, cute::Shape<_128, _64>> {};
 
+// Layouts, per expert e with m_e tokens at row offset o_e (CUTLASS M x N x K):
+//   fprop  M=m_e, N=n, K=k:  A = x[o_e:, :k] row-major, B = W_e^T (W_e [n, k]
+//          row-major is a K-major "column-major" B), D = y[o_e:, :n].
+//   dgrad  M=m_e, N=k, K=n:  A = dy[o_e:, :n] row-major, B = W_e as [n, k]
+//          row-major (N-major B), D = dx[o_e:, :k].
+//   wgrad  M=n, N=k, K=m_e:  A = dy_e^T (M-major), B = x_e (N-major),
+//          C = D = dW_e [n, k] row-major. Groups with m_e = 0 get M = 0 (no
+//          tiles; the kernel would otherwise store uninitialised
+//          accumulators) and, without accumulation, a zero fill.
 template <mg_gemm_kind Kind>
 struct LayoutTraits;
 template <>
@@ -305,7 +305,7 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
       p.w.stride_b[g] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {k, n, 1});
       p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, k, 1});
     } else {
-      // An empty reduction gets no tiles at all (M = 0); see the file comment.
+      // An empty reduction gets no tiles at all (M = 0); see LayoutTraits.
       p.w.shapes[g] = {m > 0 ? n : 0, k, m};
       p.w.ptr_a[g] = p.tokens + a_start * n;
       p.w.ptr_b[g] = p.tokens_b + b_start * k;
@@ -318,8 +318,8 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
 }
 
 // Writes zeros over dW_e of every group without tokens. Grid (x, y): CTA row y
-// checks groups y, y + gridDim.y, ...; a grid of (x, E) CTAs that mostly exit
-// at once took 11 us for E = 128, this one a few.
+// checks groups y, y + gridDim.y, ..., so a few CTA rows cover many groups
+// (one row per group, whose CTAs mostly exit at once, was slower).
 template <class ElementD>
 __global__ void __launch_bounds__(256)
     zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_d, int num_groups, int64_t vectors_per_group) {
@@ -452,10 +452,8 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
   // The tiles are walked along M, CUTLASS's default order for grouped
   // problems (no swizzle: the shapes are on the device), or along N where
   // heuristic.cpp's raster_along_n says the group's rows would otherwise be
-  // read once per N tile. For wgrad, walking along the shorter side of dW
-  // (chosen from n and k, so that a wave holds less of a large group's
-  // operands in L2) measured 0.98-1.03x (FP8) and 0.94-1.13x (bf16) on the
-  // H100, within run-to-run noise: not kept.
+  // read once per N tile. (wgrad along the shorter side of dW measured within
+  // noise: docs/kernels.md, "Tile order".)
   if (call.raster_along_n) {
     using RasterOrder = decltype(args.scheduler.raster_order);
     args.scheduler.raster_order = RasterOrder::AlongN;

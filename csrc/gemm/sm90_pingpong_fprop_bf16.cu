@@ -4,43 +4,12 @@
 // SwiGLU in the epilogue (the fused experts path's fc1: g and h = silu(gate)
 // * up from one kernel).
 //
-// Why a kernel of our own: CUTLASS's cooperative ptr-array kernel (the core's
-// other fprop) runs its epilogue with no MMA beside it, so SwiGLU there cost
-// fc1 0.40-0.48 ms on Qwen3-like (experts.py), and its ping-pong kernels ran
-// 1.4-2.3x slower on these shapes. Here one producer warpgroup fills a shared
-// stage ring and two consumer warpgroups take alternate 64x256 tiles, so one
-// consumer's epilogue overlaps the other's MMAs. Measured on the H100 against
-// the core's cooperative kernels in one process, bitwise equal (heuristic.cpp
-// has the figures and picks by K): a few percent faster on fprop with
-// K <= 2048, slower at K = 4096 and above, and fc1 with SwiGLU in the
-// epilogue at parity with fc1 plus the SwiGLU pass (the epilogue's extra
-// stores and exponentials are not all hidden behind the other consumer).
-//
-// Design notes, each from a failure or a measurement:
-//  - One tensor map per operand for the whole call: x [M, K] is offset by the
-//    group's first row (domain_offset), W [E, N, K] is indexed by expert, so
-//    nothing is rewritten per group and no workspace is needed. Rows a tile
-//    covers past its group's end belong to the next group: they are loaded
-//    (harmless) but never stored.
-//  - The tile schedule comes from the device m_splits inside the kernel: warp
-//    0 scans the clamped counts (core/setup.cuh's rules) into shared memory
-//    and every tile index is decoded by binary search, tiles along M first so
-//    that the CTAs running together share an expert's weight tiles in L2.
-//  - The consumers' mainloops alternate strictly (the `turn` barriers): both
-//    wait on the same stage ring, and a consumer that started early could see
-//    an earlier fill of the same parity. (Without it the kernel hung or
-//    faulted once K exceeded the ring.)
-//  - The gathered copy has eight lanes per row, one 16-byte chunk each, so an
-//    instruction moves four whole 128-byte lines: one row per thread pair ran
-//    the gathered GEMM at 0.54-0.69x of the core's, this 0.97-1.0x. A deeper
-//    separate ring for A (8-10 stages) did not help.
-//  - The epilogue goes per warp, 8 rows at a time, through padded shared
-//    memory to 16-byte stores (SwiGLU: to bulk copies, 1-4% faster on the
-//    fused gathered fc1; see bulk_store_swiglu_rows); fragments are written
-//    as bf16 pairs (single bf16 writes made ptxas serialise the wgmma,
-//    warning C7514).
-//  - W stored MN-major (a dgrad) would need the K-first shared layout; not
-//    built: the dgrads measured 0.80-1.03x of the core's.
+// One producer warpgroup fills a shared stage ring and two consumer
+// warpgroups take alternate 64x256 tiles, so one consumer's epilogue overlaps
+// the other's MMAs; CUTLASS's cooperative kernel runs its epilogue with no MMA
+// beside it. The tile schedule comes from the device m_splits inside the
+// kernel, so it needs no workspace. heuristic.cpp says where it runs; design
+// notes and measurements: docs/kernels.md, "Ping-pong fprop".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -115,6 +84,10 @@ struct Params {
   int64_t source_rows;
 };
 
+// One tensor map per operand for the whole call: x [M, K] is offset by the
+// group's first row (domain_offset), W [E, N, K] is indexed by expert, so
+// nothing is rewritten per group. Rows a tile covers past its group's end
+// belong to the next group: they are loaded (harmless) but never stored.
 template <bool kSwiglu>
 auto make_params(const GroupedGemmCall& call) {
   const auto* a = static_cast<const bf16*>(call.tokens);
@@ -201,7 +174,8 @@ struct StageRing {
 };
 
 // Tile t of the schedule: the last group whose first tile is at or before t
-// (an empty group's range is empty, so it is never the answer), then along M.
+// (an empty group's range is empty, so it is never the answer), then along M,
+// so that the CTAs running together share an expert's weight tiles in L2.
 __device__ Tile decode_tile(const SharedStorage& s, int groups, int n_tiles, int t) {
   int lo = 0, hi = groups;
   while (hi - lo > 1) {
@@ -326,18 +300,10 @@ __device__ void produce_gathered(const P& p, SharedStorage& s, int total, int n_
 // A consumer warp's staged SwiGLU rows out by bulk copies (the TMA unit's
 // cp.async.bulk), one lane per 256-byte segment: a row's gate and up columns of
 // g and its h columns, instead of every lane storing twelve 16-byte chunks per
-// part. Why it helps (not established by a profile): fewer epilogue
-// instructions, and where rows are gathered the load/store unit is left to the
-// producer's cp.async copies. H100, 2026-11-27, bitwise equal; each figure the
-// median of 30 graphed runs in one process, processes alternating between the
-// builds (a probe of the four fc1 variants, four processes per build;
-// DeepSeek-V2-Lite-like, two): fused gathered fc1+SwiGLU Qwen3-like 1.509-1.557
-// -> 1.489-1.516 ms, OLMoE-like 2.021-2.057 -> 1.936-1.998, DeepSeek-V2-Lite-
-// like 2.121-2.157 -> 2.047-2.079; on a stored copy 0-5% faster. (H = 4096,
-// whose fc1 has K = 4096 and so runs the cooperative kernel and the pass in
-// both builds, read 7.21-7.28 -> 7.30-7.31 ms: the noise of such a comparison.)
-// The plain fprop keeps its 16-byte stores: one 512-byte bulk copy per row was
-// 0-8% slower on OLMoE-like, two of 256 bytes within the noise (fc1 and fc2).
+// part. Fewer epilogue instructions, and where rows are gathered the
+// load/store unit is left to the producer's cp.async copies (a likely reason,
+// not established by a profile). The plain fprop keeps its 16-byte stores,
+// which bulk copies did not beat there (docs/kernels.md).
 template <class P>
 __device__ __forceinline__ void bulk_store_swiglu_rows(const P& p, int first_row, int row_end, int n0,
                                                        const bf16* c_buf, const bf16* h_buf, int lane) {
@@ -379,7 +345,8 @@ __device__ __forceinline__ void bulk_store_wait() {
 // columns (lane % 4) * 2 + 8 * (i / 4) + i % 2. With eight rows per part,
 // part p is every thread's row p, so each part touches exactly its values,
 // chosen at compile time: testing each value's row at run time instead made
-// the unrolled epilogue twice the code.
+// the unrolled epilogue twice the code. Fragments go to shared memory as bf16
+// pairs: single bf16 writes made ptxas serialise the wgmma (warning C7514).
 template <bool kSwiglu, class P, class Accum, class Coords>
 __device__ __forceinline__ void store_tile(const P& p, const Tile& tile, const Accum& accum, const Coords& coords,
                                            bf16* c_buf, bf16* h_buf, int warp, int lane) {
@@ -487,6 +454,10 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
   for (int t = blockIdx.x + consumer * gridDim.x; t < total; t += 2 * gridDim.x, ++j) {
     const Tile tile = decode_tile(s, p.groups, n_tiles, t);
     Tensor accum = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    // The consumers' mainloops alternate strictly: both wait on the same stage
+    // ring, and a consumer that started early could see an earlier fill of the
+    // same parity (without the turns the kernel hung or faulted once K
+    // exceeded the ring).
     if (j > 0 || consumer == 1) {
       cutlass::arch::ClusterBarrier::wait(&s.turn[consumer], turn_phase);
       turn_phase ^= 1;

@@ -1,31 +1,17 @@
 // The ptr-array epilogue with its D tensor maps built before the GEMM, one per
 // group, instead of rewritten inside the kernel at every change of group.
 //
-// Why: CUTLASS's ptr-array epilogue keeps one D tensor map per CTA (per
-// consumer warpgroup) in global memory. When a CTA's next tile belongs to
-// another group, the consumer warpgroup first waits for every TMA store of
-// the previous tile to finish (the map it is about to overwrite is still in
-// use), then rewrites the map and fences it, and only then starts the next
-// tile's MMAs. Tiles are dealt to CTAs round-robin, and a fine-grained MoE
-// group has fewer tiles than there are SMs, so this happens at almost every
-// tile. With one read-only map per group, written by a small kernel launched
-// just before the GEMM, the stores of one tile overlap the next tile's MMAs
-// as in a plain GEMM; the results are bitwise the same.
-//
-// H100 (benchmarks/experts_gemm_tiles.py, cuda vs cuda:in_kernel_maps, the six
-// expert GEMMs of the five issue-19 shapes, graphed, two runs): 1.01x geometric
-// mean for fprop/dgrad and for wgrad, on top-k and balanced splits; most
-// fprop/dgrad of the fine-grained shapes 1.01-1.03x (all 0.98-1.03x), Mixtral-
-// like E = 8 (few changes of group) 0.98-1.01x. Fused layer step, graphed:
-// 1.01-1.02x (Qwen3-, OLMoE-, DeepSeek-V2-Lite-like), 1.00x (H = 4096). A
-// standalone CUTLASS probe of balanced fprop put the ptr-array kernel 0-20%
-// (mostly 4-12%) behind the batched kernel (one map, L = E) on the same tile;
-// this closes about half of that. Prebuilt A and B maps for the mainloop as well (acquired
-// at each change of group, with or without a prefetch) measured slower than
-// this alone (down to 0.92x at K = 768): not done.
-//
-// Everything else (C loads for wgrad's accumulation, the fusion callbacks, the
-// store itself) is the wrapped epilogue's.
+// CUTLASS's ptr-array epilogue keeps one D tensor map per CTA (per consumer
+// warpgroup) in global memory. When a CTA's next tile belongs to another
+// group, the consumer warpgroup first waits for every TMA store of the
+// previous tile (the map it is about to overwrite is still in use), then
+// rewrites and fences the map, and only then starts the next tile's MMAs;
+// with fine-grained experts that happens at almost every tile. With one
+// read-only map per group, written by a small kernel just before the GEMM, the
+// stores of one tile overlap the next tile's MMAs as in a plain GEMM; the
+// results are bitwise the same. Everything else (C loads for wgrad's
+// accumulation, the fusion callbacks, the store itself) is the wrapped
+// epilogue's. Measurements: docs/kernels.md, "Store maps".
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>

@@ -1,48 +1,16 @@
 // fc2's dgrad epilogue for the fused MoE experts path: the weighted SwiGLU
 // backward (activation/swiglu_weighted_backward.cu) applied to the dgrad's
 // accumulators in registers, so dh_u = dy_u W2 is never stored and read back.
-//
 // Per permuted row r (routing weight w_r) and fc2 input feature c < ffn, from
-// the accumulator du = (dy_u W2)[r, c] rounded to the element type (what the
-// plain dgrad stores) and fc1's output g = [gate | up] at (r, c), (r, ffn + c):
+// du = (dy_u W2)[r, c] rounded to the element type (what the plain dgrad
+// stores) and fc1's output g = [gate | up] at (r, c), (r, ffn + c):
 //   g[r, c], g[r, ffn + c] <- d_gate, d_up   (in place: g becomes dg)
 //   wh[r, c]               <- w_r * h        (fc2's wgrad operand)
 //   partials[r, tile]      <- sum over the tile's columns of du * h
 // with swiglu_backward_math.cuh's roundings, so dg and wh are bitwise those of
-// the plain dgrad followed by the standalone pass. dprob_r is the sum of row
-// r's partials over the column tiles (the caller adds them: fixed order, so
-// deterministic, though not bitwise the standalone pass's single sum).
-//
-// Each thread reads and writes the elements whose accumulators it holds
-// (pairs of adjacent columns, 4-byte accesses); an element of g is read and
-// written by the same thread, so the update in place is safe. Rows past the
-// group's count and columns past ffn are left alone: the wrapped epilogue's
-// TMA stores, tensor maps and load warp are not used at all.
-//
-// Measured slower than the two passes it replaces, so the experts path does
-// not use it unless asked (MOE_GROUPED_DGRAD_SWIGLU=fused). H100, graphed, L2
-// flushed (benchmarks/dgrad_swiglu.py, results/dgrad_swiglu-h100.json): 0.52-
-// 0.62x of the plain dgrad plus the standalone pass on the five issue-19
-// shapes, and the fused layer step 0.91-0.95x. In the cooperative kernel the
-// epilogue does not overlap any MMA, and here it runs on the two consumer
-// warpgroups only (8 warps per SM) where the standalone pass has the whole
-// GPU. Taken apart on the Qwen3-like shape (dgrad alone 0.63 ms), with one
-// load of g per pair before its stores: the fused kernel 2.49 ms; without its
-// global loads and stores 1.13 ms (the SwiGLU math alone, +0.50 ms); without
-// the math 1.59 ms (the memory alone, +0.96 ms), against 0.56 ms for the
-// whole standalone pass. Each row's g pairs are now loaded 16 at a time
-// before any of their stores (g is updated in place, so the compiler cannot
-// move a later load above an earlier store, and the old loop paid one load
-// latency per pair): 0.86-0.90x of the old kernel's time on all five shapes
-// (Qwen3-like 2.28 ms, from 0.46x to 0.53-0.54x of the two passes). Tried
-// and dropped: an L2 prefetch of the tile's rows ahead of such chunks (2.95
-// ms, and a 432-byte stack frame); the ping-pong kernel on a 64x256 tile per
-// warpgroup, so that one warpgroup's epilogue overlaps the other's MMAs:
-// 0.34-0.35x of the two passes with these chunks (Qwen3- and OLMoE-like), as
-// the epilogue takes longer than the MMAs it hides behind. Paying off needs
-// coalesced, prefetched (TMA) access to g through shared memory, so that the
-// epilogue is no longer bound by 4-byte accesses spread over eight rows per
-// instruction, and then the overlap.
+// the plain dgrad followed by the standalone pass. Measured slower than those
+// two passes, so the experts path runs it only when asked
+// (MOE_GROUPED_DGRAD_SWIGLU=fused): docs/kernels.md, "SwiGLU-backward epilogue".
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -125,6 +93,14 @@ struct SwigluBackwardEpilogue : Base {
                        make_layout(get<0, 0>(layout), get<0, 2>(layout), get<2>(layout)));
   }
 
+  // Each thread reads and writes the elements whose accumulators it holds
+  // (pairs of adjacent columns, 4-byte accesses); an element of g is read and
+  // written by the same thread, so the update in place is safe. Rows past the
+  // group's count and columns past ffn are left alone: the wrapped epilogue's
+  // TMA stores, tensor maps and load warp are not used at all. dprob_r is the
+  // sum of row r's partials over the column tiles, which the caller adds in a
+  // fixed order: deterministic, though not bitwise the standalone pass's
+  // single sum.
   template <class LoadPipeline, class LoadState, class StorePipeline, class StoreState, class ProblemShapeMNKL,
             class TileShapeMNK, class TileCoordMNKL, class AccEngine, class AccLayout, class TiledMma,
             class TensorStorage, class TensorMapD>
