@@ -1,26 +1,16 @@
 // Token permutation for MoE dispatch and combine, driven by device expert
 // indices: no host synchronisation, static buffer sizes, deterministic.
 //
-// Index pass (mg_permute_index[_capacity]), over the n = tokens * top_k token
-// copies in chunks of kChunk copies, one CTA per chunk:
-//   1. count   : counts[e][c] = copies of chunk c routed to expert e
-//   2. scan    : per expert (one CTA each), exclusive scan of its counts over
-//                the chunks -> the first copy of (e, c) among expert e's
-//                copies; then one CTA over the experts: where each expert's
-//                copies start, the kept count min(count, capacity), m_splits
-//                and the first row of its block (packed, or e * capacity when
-//                padded)
-//   3. position: rank of each copy among expert e's copies = base[e][c] + its
-//                rank among the copies of chunk c with expert e (warp match +
-//                per-warp counts), so kept rows are ordered by (expert, copy
-//                index): a stable sort. rank >= capacity: dropped (row -1).
-// Without a capacity, capacity = INT32_MAX and nothing is dropped. Dropping by
-// position keeps each expert's first `capacity` copies, which the passes above
-// do directly. Dropping by probability ranks each expert's copies first (a
-// stable radix sort by (expert, probability descending); ties: lower copy
-// index first), marks the copies past the capacity, then runs the passes
-// again counting only the kept copies.
-// Row passes: gather / weighted gather-sum / its backward, one CTA per row.
+// Index pass (mg_permute_index[_capacity]) over the n = tokens * top_k token
+// copies, kChunk copies per CTA: count -> scan -> position (each kernel says
+// what it computes). Kept rows are ordered by (expert, copy index), a stable
+// sort; a copy ranked at or past the capacity is dropped (row -1), so dropping
+// by position keeps each expert's first `capacity` copies. Without a capacity,
+// capacity = INT32_MAX and nothing is dropped. Dropping by probability first
+// ranks each expert's copies (priority_keys_kernel, a radix sort,
+// mark_kept_kernel), then runs the passes again over the kept copies.
+// Row passes: gather / weighted gather-sum / its backward, a warp per row.
+// Design and measurements: docs/permute.md.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -63,6 +53,7 @@ __device__ inline int load_expert(const IndexT* experts, const uint8_t* keep, in
   return (e >= 0 && e < num_experts) ? static_cast<int>(e) : -1;
 }
 
+// counts[e][c] = copies of chunk c routed to expert e.
 template <typename IndexT>
 __global__ void __launch_bounds__(kChunk)
     count_kernel(const IndexT* __restrict__ experts, const uint8_t* __restrict__ keep, int64_t n,
@@ -81,7 +72,7 @@ __global__ void __launch_bounds__(kChunk)
 // One CTA per expert e: exclusive scan of counts[e][c] over the chunks, in
 // place, so counts[e][c] = copies of expert e in the chunks before c; expert
 // e's total goes to starts[e + 1] for expert_scan_kernel. (A single CTA over
-// all E * chunks entries took 80 us for 128 experts and 131072 copies.)
+// all E * chunks entries was far slower: docs/permute.md.)
 __global__ void __launch_bounds__(kChunkScanThreads)
     chunk_scan_kernel(int32_t* __restrict__ counts, int num_chunks, int32_t* __restrict__ starts) {
   using Scan = cub::BlockScan<int32_t, kChunkScanThreads>;
@@ -145,6 +136,10 @@ __global__ void __launch_bounds__(kScanThreads)
   }
 }
 
+// row_id_map[i] = out_base[e] + the rank of copy i among expert e's copies:
+// bases[e][c] (the chunk scan) + its rank among chunk c's copies of expert e
+// (warp match + per-warp counts); -1 for a copy without a valid, kept expert
+// or whose rank reaches the capacity.
 template <typename IndexT>
 __global__ void __launch_bounds__(kChunk)
     position_kernel(const IndexT* __restrict__ experts, const uint8_t* __restrict__ keep, int64_t n,
@@ -355,8 +350,8 @@ unsigned element_grid(int64_t items) {
 }
 
 // Rows of at most kNarrowRow elements (the routing weights as [T * k, 1]
-// rows): one thread per row. A warp per 1-element row took 22 us for 131072
-// rows on an H100, 31 of its 32 lanes idle. Same arithmetic, same order.
+// rows): one thread per row, where a warp per row would leave 31 of its 32
+// lanes idle. Same arithmetic, same order.
 constexpr int64_t kNarrowRow = 8;
 
 template <typename T>

@@ -22,14 +22,10 @@ constexpr int kMaxExperts = 1024;  // 32 keys per lane
 constexpr int kMaxTopK = 32;       // one choice per lane
 
 // Both router kernels run one warp per token, in CTAs of kThreads, each warp
-// taking its tokens one after another. That is latency-bound (top_k rounds
-// of warp maxima), so more warps hide more of it; fewer tokens per warp mean
-// more CTAs and more global count adds. On an H100 (route_topk, graphed, L2
-// flushed) 4 tokens per warp against 16: 26 against 43 us for 16384 tokens,
-// 128 experts, top-8; 17 against 28 us for 64 experts, top-6; 8 against 18
-// us for 8192 tokens, 8 experts, top-2 (with shuffle-tree maxima; with the
-// redux.sync ones below 20.5, 12.9 and 8.0 us). route_softmax measured the
-// same at 1, 2 and 4.
+// taking kTokensPerWarp tokens one after another. That is latency-bound
+// (top_k rounds of warp maxima), so more warps hide more of it; fewer tokens
+// per warp mean more CTAs and more global count adds. 4 measured faster than
+// 16 (docs/routing.md).
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kLanes;
 constexpr int kTokensPerWarp = 4;

@@ -7,19 +7,9 @@
 // [T, E] and the split into bf16 halves) whose launches and passes cost
 // more than the work.
 //
-// One warp per token, lane l holding experts l, l + 32, ... in registers:
-//   lse_t = logsumexp(l_t), p_te = exp(l_te - lse_t);
-//   weights (MG_ROUTE_SOFTMAX_CHOSEN): softmax over the chosen logits, which
-//     is both topk_before_softmax and softmax + normalize_topk (p_i / sum
-//     of the chosen p_j is the same ratio); (MG_ROUTE_SOFTMAX_ALL) p_te of
-//     the chosen experts; both times `scaling`;
-//   aux = E * sum_e f_e * P_e with f_e = counts_e / (T * k), P_e = mean_t p_te;
-//   z = mean_t lse_t^2.
-// The choice ranks the logits, which ranks the probabilities the same way
-// (the softmax is monotonic) without the ties its rounding can make.
-//
 // Deterministic: each CTA sums its tokens' p_te and lse_t^2 in a fixed order
 // into one row of `partials`, and the losses kernel adds the rows in order.
+// Design: docs/routing.md.
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -72,6 +62,16 @@ struct ForwardParams {
   float* partials;  // [gridDim.x, num_experts + 1]: sum_t p_te, then sum_t lse_t^2
 };
 
+// One warp per token, lane l holding experts l, l + 32, ... in registers:
+//   lse_t = logsumexp(l_t), p_te = exp(l_te - lse_t);
+//   weights (MG_ROUTE_SOFTMAX_CHOSEN): softmax over the chosen logits, which
+//     is both topk_before_softmax and softmax + normalize_topk (p_i / sum
+//     of the chosen p_j is the same ratio); (MG_ROUTE_SOFTMAX_ALL) p_te of
+//     the chosen experts; both times `scaling`;
+//   aux = E * sum_e f_e * P_e with f_e = counts_e / (T * k), P_e = mean_t p_te;
+//   z = mean_t lse_t^2 (both from `partials`, by the losses kernel).
+// The choice ranks the logits, which ranks the probabilities the same way
+// (the softmax is monotonic) without the ties its rounding can make.
 template <int kPerLane>
 __global__ void __launch_bounds__(kThreads) route_softmax_kernel(ForwardParams p) {
   extern __shared__ float smem[];  // hist [E] int32, then per-warp sums [kWarps][E + 1]
@@ -131,8 +131,8 @@ __global__ void __launch_bounds__(kLossThreads)
   for (int i = threadIdx.x; i < groups * cols; i += kLossThreads) {
     const int c = i % cols, g = i / cols;
     float sum = 0.f;
-    // Loads issued kBatch at a time (one at a time, the latency of each
-    // made this 17 us for 512 rows); the adds keep row order.
+    // Loads issued kBatch at a time (one at a time, their latency dominated:
+    // docs/routing.md); the adds keep row order.
     constexpr int kBatch = 8;
     for (int r0 = g; r0 < rows; r0 += groups * kBatch) {
       float v[kBatch];

@@ -3,8 +3,8 @@
 //
 // One warp per token (a few tokens per warp in turn) chooses as
 // route_select.cuh says; integer counts go through shared memory, then one
-// global add per CTA and expert. torch.topk plus a scatter-add of ones took
-// 138 us for 16384 tokens and 128 experts on an H100.
+// global add per CTA and expert. It replaces torch.topk plus a scatter-add of
+// ones (docs/routing.md).
 #include <cstdint>
 
 #include "core/error.h"
