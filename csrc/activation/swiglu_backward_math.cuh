@@ -6,14 +6,6 @@
 //
 // Forward, from gate x and up u as stored in T: h = T(T(silu(x)) * u), the
 // rounding of torch's composed silu(gate) * up.
-//
-// The fused experts path's weighted backward:
-// From gate x, up u, the unweighted fc2 input gradient du (as stored in T)
-// and the routing weight w, with the composed torch ops' roundings (T(.)):
-//   a = T(silu(x))   h = T(a * u)   wh = T(w * h)
-//   d = T(w * du)    d_up = T(d * a)   d_a = T(d * u)
-//   d_gate = T(d_a * s * (1 + x * (1 - s))),  s = sigmoid(x)
-// Returns du * h, the element's term of dprob = <dh_u, h>.
 #pragma once
 
 #include "core/convert.cuh"
@@ -37,6 +29,13 @@ __device__ __forceinline__ float swiglu_forward_element(float x, float u) {
   return silu_stored<T>(x) * u;
 }
 
+// The fused experts path's weighted backward, from gate x, up u, the
+// unweighted fc2 input gradient du (as stored in T) and the routing weight w,
+// with the composed torch ops' roundings (T(.)):
+//   a = T(silu(x))   h = T(a * u)   wh = T(w * h)
+//   d = T(w * du)    d_up = T(d * a)   d_a = T(d * u)
+//   d_gate = T(d_a * s * (1 + x * (1 - s))),  s = sigmoid(x)
+// Returns du * h, the element's term of dprob = <dh_u, h>.
 template <typename T>
 __device__ __forceinline__ float swiglu_weighted_backward_element(float x, float u, float du, float w, T& d_gate,
                                                                  T& d_up, T& weighted) {

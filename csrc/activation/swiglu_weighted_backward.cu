@@ -10,18 +10,10 @@
 //   dprob = <dh_u, h>  (= <dout_t, y_r>)       the routing weight's gradient
 // so one pass reads g and dh_u once and writes what both wgrads, fc1's dgrad
 // and the router need; no [rows, ffn] h or [rows, hidden] y is kept.
-//
 // Rounding follows the composed torch ops where they store a tensor, as in
-// swiglu.cu (its SwiGLU backward step for step, from dh = T(w * dh_u)); the
-// per-element steps are in swiglu_backward_math.cuh, shared with fc2's dgrad
-// epilogue, which fuses this pass (gemm/sm90_swiglu_backward_epilogue.cuh);
-//   dprob = sum over the row of dh_u * h in fp32, in a fixed order (one warp
-//           per row: each lane sums its columns in order, then a butterfly),
-//           so the result is the same on every run.
-//
-// Rows at or past the real total (the clamped sum of the device m_splits,
-// e.g. the tail of a capacity-limited buffer) get dg = 0, wh = 0, dprob = 0:
-// the outputs are fully defined without reading rows no expert computed.
+// swiglu.cu; the per-element steps are in swiglu_backward_math.cuh, shared
+// with fc2's dgrad epilogue, which fuses this pass
+// (gemm/sm90_swiglu_backward_epilogue.cuh).
 #include <cub/block/block_reduce.cuh>
 
 #include <cstdint>
@@ -43,7 +35,10 @@ constexpr int kRowsPerBlock = kThreads / kWarpSize;  // one warp per row
 constexpr int64_t kMaxBlocks = 4096;
 
 // The rows that hold real copies: the clamped sum of m_splits, cut at `rows`
-// (offsets[num_groups] of the setup kernel). No m_splits: every row.
+// (offsets[num_groups] of the setup kernel). No m_splits: every row. Rows at
+// or past it (e.g. the tail of a capacity-limited buffer) get dg = 0, wh = 0,
+// dprob = 0: the outputs are fully defined without reading rows no expert
+// computed.
 template <typename SplitT>
 __device__ int64_t real_rows(const SplitT* m_splits, int num_groups, int64_t rows) {
   if (m_splits == nullptr) return rows;
@@ -60,8 +55,11 @@ __device__ int64_t real_rows(const SplitT* m_splits, int num_groups, int64_t row
   return total;
 }
 
-// dh_u may alias wh and g may alias dg (in place): each element is read
-// before the same thread writes it, so these pointers are not __restrict__.
+// One warp per row. dprob = sum over the row of dh_u * h in fp32, in a fixed
+// order (each lane sums its columns in order, then a butterfly), so the result
+// is the same on every run. dh_u may alias wh and g may alias dg (in place):
+// each element is read before the same thread writes it, so these pointers
+// are not __restrict__.
 template <typename T, int V, typename SplitT>
 __global__ void __launch_bounds__(kThreads)
     swiglu_weighted_backward_kernel(const T* dh_u, const T* g, const float* __restrict__ weights,
