@@ -49,7 +49,7 @@ LAYER_VARIANTS = {"cuda:dgrad_swiglu_fused": {"MOE_GROUPED_DGRAD_SWIGLU": "fused
 
 def runs_of(problem: Experts) -> dict:
     """Backend -> graph replay; every backend updates its own copy of g in place, as the layer does."""
-    from moe_grouped.ops import cuda_backend
+    from moe_grouped.gemm import cuda_backend
 
     rows, ffn = problem.h.shape
     s, w2 = problem.m_splits, problem.w2

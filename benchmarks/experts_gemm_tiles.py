@@ -74,7 +74,7 @@ class Experts:
     """Operands of one shape's six GEMMs for one split of the R rows."""
 
     def __init__(self, shape, splits_kind: str):
-        from moe_grouped.ops import cuda_backend
+        from moe_grouped.gemm import cuda_backend
 
         self.cuda = cuda_backend
         t, h, i, e, k = shape

@@ -140,7 +140,7 @@ def _torch_rowwise_fprop(x, w, splits):
 def gemm_rows(flush: L2Flush) -> list[dict]:
     from moe_grouped import GroupedLinear
     from moe_grouped.fp8 import gemm as fp8_gemm
-    from moe_grouped.ops import cuda_backend
+    from moe_grouped.gemm import cuda_backend
 
     rows = []
     recipe = fp8.Float8BlockScaling("E4M3")

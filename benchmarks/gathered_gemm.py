@@ -53,7 +53,7 @@ class Case:
 
     def __init__(self, shape):
         import moe_grouped
-        from moe_grouped.ops import cuda_backend
+        from moe_grouped.gemm import cuda_backend
         from moe_grouped.permute import source_rows
 
         self.cuda = cuda_backend

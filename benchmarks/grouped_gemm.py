@@ -64,7 +64,7 @@ def make_splits(kind: str, num_experts: int, total: int, seed: int = 0) -> list[
 
 class Problem:
     def __init__(self, shape, splits_kind):
-        from moe_grouped.ops import cuda_backend
+        from moe_grouped.gemm import cuda_backend
 
         self.cuda = cuda_backend
         self.num_experts, self.total, self.k, self.n = shape

@@ -44,15 +44,15 @@ SHAPES = {s.name: s for s in moe_layer.EXPERTS_PATH_SHAPES}
 @contextlib.contextmanager
 def router_path(name: str):
     """``cuda``: the kernels where they apply (the default); ``torch``: the composition."""
-    from moe_grouped import router_softmax
+    from moe_grouped import routing
 
-    applies = router_softmax.applies
+    applies = routing.softmax_route_applies
     if name == "torch":
-        router_softmax.applies = lambda *args: False
+        routing.softmax_route_applies = lambda *args: False
     try:
         yield
     finally:
-        router_softmax.applies = applies
+        routing.softmax_route_applies = applies
 
 
 def router_runs(shape) -> dict:

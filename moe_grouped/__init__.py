@@ -9,7 +9,7 @@ routing changes every step.
 from __future__ import annotations
 
 from . import graphs  # noqa: F401  (capture/replay helpers, usable on any module)
-from . import backends, fp8, ops, workspace
+from . import backends, fp8, gemm, workspace
 from ._checks import debug_checks_enabled, set_debug_checks
 from ._core import CaptureError, CoreError, UnsupportedError
 from .activation import swiglu
@@ -18,7 +18,7 @@ from .mlp import GroupedMLP, SwiGLUMLP
 from .moe_layer import MoELayer
 from .permute import permute, permute_index, unpermute
 from .router import Router, RoutingOutput
-from .ops import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
+from .gemm import grouped_dbias, grouped_dgrad, grouped_fprop, grouped_wgrad, splits_to_offsets
 
 __version__ = "0.1.0"
 
@@ -41,7 +41,7 @@ __all__ = [
     "set_debug_checks",
     "debug_checks_enabled",
     "backends",
-    "ops",
+    "gemm",
     "fp8",
     "workspace",
     "graphs",

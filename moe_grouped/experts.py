@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 
 from .activation import swiglu
+from .gemm import cuda_backend
 from .grouped_linear import _main_grads, _param_grads, _Spec
-from .ops import cuda_backend
 from .permute import source_rows
 
 EXPERTS_PATHS = (None, "fused", "unfused")

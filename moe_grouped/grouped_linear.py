@@ -19,8 +19,8 @@ from torch import nn
 from . import _checks, backends
 from .fp8 import get_fp8_recipe
 from .fp8 import linear as fp8_linear
-from .ops import check_backend_dtype
-from .ops.common import num_groups_of
+from ._tensors import num_groups_of
+from .gemm import check_backend_dtype
 
 
 @dataclass(frozen=True)

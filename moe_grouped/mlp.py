@@ -18,7 +18,7 @@ from .activation import resolve_weighted_backward_backend, swiglu, weighted_back
 from .experts import FusedExpertsFunction, Plan, check_experts_path
 from .fp8 import get_fp8_recipe
 from .grouped_linear import GroupedLinear
-from .ops import check_backend_dtype
+from .gemm import check_backend_dtype
 
 # Element types the fused path is chosen for by default (experts_path=None).
 FUSED_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)

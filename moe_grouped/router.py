@@ -27,7 +27,7 @@ best selection scores). ``scaling_factor`` multiplies the final weights
 
 Softmax routers without expert bias or group limit, on bf16 CUDA tokens,
 run everything after the gate GEMM (choice, weights, both losses, and their
-backward) in two core kernels (:mod:`moe_grouped.router_softmax`); the
+backward) in two core kernels (:mod:`moe_grouped.routing`); the
 others compose torch ops. Both give the same choice, and weights and losses
 equal up to float32 rounding.
 """
@@ -40,9 +40,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import _checks, router_softmax
-from .router_gemm import router_logits
-from .router_topk import choose_experts, tokens_per_expert  # noqa: F401 (tokens_per_expert: public here)
+from . import _checks, routing
+from .routing import choose_experts, router_logits, tokens_per_expert  # noqa: F401 (tokens_per_expert: public here)
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -121,7 +120,7 @@ class Router(nn.Module):
     ``forward(x)`` takes ``x`` of shape [T, hidden] and returns a
     :class:`RoutingOutput`. Logits are computed in float32 (float64 for
     float64 input), whatever the gate's dtype (bf16 on CUDA: on tensor cores
-    with float32 accumulation, see :mod:`moe_grouped.router_gemm`).
+    with float32 accumulation, see :mod:`moe_grouped.routing.torch_backend`).
 
     Args:
         hidden: input features.
@@ -218,7 +217,7 @@ class Router(nn.Module):
         _checks.check_same_device("the router's weight", self.weight, x=x)
         mode = self._fused_mode(x)
         if mode is not None:
-            weights, experts, counts, aux_loss, z_loss_, logits = router_softmax.route(
+            weights, experts, counts, aux_loss, z_loss_, logits = routing.softmax_route(
                 x, self.weight, self.top_k, mode, self.scaling_factor
             )
             return RoutingOutput(weights, experts, counts, aux_loss, z_loss_, logits)
@@ -240,10 +239,10 @@ class Router(nn.Module):
         """The softmax kernels' weights mode for this router and input, None when they do not apply."""
         if self.score_function != "softmax" or self.expert_bias is not None or self.n_group is not None:
             return None
-        if not router_softmax.applies(x, self.weight, self.top_k):
+        if not routing.softmax_route_applies(x, self.weight, self.top_k):
             return None
         chosen = self.topk_before_softmax or self.normalize_topk
-        return router_softmax.SOFTMAX_CHOSEN if chosen else router_softmax.SOFTMAX_ALL
+        return routing.SOFTMAX_CHOSEN if chosen else routing.SOFTMAX_ALL
 
     def _select(self, logits: torch.Tensor):
         """(weights [T, k], experts [T, k], copies per expert [E], probabilities over all experts [T, E])."""

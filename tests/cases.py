@@ -139,7 +139,7 @@ def backends_for(device: str, dtype: torch.dtype = None) -> list[str]:
     """The backends to check on ``device`` (in ``dtype``): cuda only where it can run."""
     names = ["reference", "torch"]
     if device == "cuda" and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
-        if dtype is None or dtype in moe_grouped.ops.cuda_backend.SUPPORTED_DTYPES:
+        if dtype is None or dtype in moe_grouped.gemm.cuda_backend.SUPPORTED_DTYPES:
             names.append("cuda")
     return names
 

@@ -240,7 +240,7 @@ def bounds(counts):
 
 def gemm_refused(backend: str, device: str, groups: int) -> bool:
     """The torch backend on CUDA refuses more experts than torch._grouped_mm takes."""
-    from moe_grouped.ops.torch_backend import MAX_CUDA_GROUPS
+    from moe_grouped.gemm.torch_backend import MAX_CUDA_GROUPS
 
     return backend == "torch" and device != "cpu" and groups > MAX_CUDA_GROUPS
 

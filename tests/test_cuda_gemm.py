@@ -37,7 +37,7 @@ pytestmark = [
 ]
 
 if CUDA_REASON is None:
-    from moe_grouped.ops import cuda_backend
+    from moe_grouped.gemm import cuda_backend
 else:  # collected but skipped
     cuda_backend = None
 

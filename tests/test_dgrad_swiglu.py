@@ -9,7 +9,7 @@ import torch
 import moe_grouped
 from moe_grouped import _core
 from moe_grouped.activation import swiglu_weighted_backward, weighted_backward_unavailable_reason
-from moe_grouped.ops import cuda_backend
+from moe_grouped.gemm import cuda_backend
 
 from cases import SPLIT_PATTERNS, make_splits
 

@@ -10,7 +10,7 @@ import moe_grouped
 from moe_grouped import MoELayer
 from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer, SymmMemTransport
 from moe_grouped.parallel.layer import plan_sends
-from moe_grouped.ops.common import gather_rows
+from moe_grouped._tensors import gather_rows
 from moe_grouped.parallel.transport import (
     LocalTransport,
     bin_layout,

@@ -23,7 +23,7 @@ import torch
 
 import moe_grouped  # noqa: F401  (registers the ops)
 from moe_grouped import _core
-from moe_grouped.ops.common import gather_rows
+from moe_grouped._tensors import gather_rows
 from moe_grouped.permute import permute, permute_index, source_rows
 
 from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, cuda_kernels_reason, make_splits
@@ -144,7 +144,7 @@ CUDA_REASON = cuda_kernels_reason(_core.CAP_GATHERED_GEMM, "the gathered GEMMs")
 needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"gathered kernels unavailable: {CUDA_REASON}")
 
 if CUDA_REASON is None:
-    from moe_grouped.ops import cuda_backend
+    from moe_grouped.gemm import cuda_backend
 else:  # collected but skipped
     cuda_backend = None
 

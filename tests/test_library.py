@@ -5,7 +5,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_grouped  # noqa: F401  (registers torch.ops.moe_grouped)
-from moe_grouped import ops
+from moe_grouped import gemm
 
 
 def problem(dtype=torch.float32, num_experts=3, total=12, k=8, n=4, layout="grouped", device="cpu"):
@@ -65,7 +65,7 @@ def test_gradcheck_functional_fprop(backend, layout):
     count = len(weights)
 
     def f(x, *rest):
-        return ops.grouped_fprop(x, list(rest[:count]), splits, rest[count], backend=backend)
+        return gemm.grouped_fprop(x, list(rest[:count]), splits, rest[count], backend=backend)
 
     assert torch.autograd.gradcheck(f, tuple(inputs))
 
@@ -94,10 +94,10 @@ def test_compile_sees_shapes():
     def f(x, w, s):
         return torch.ops.moe_grouped.grouped_fprop(x, w, s, None, torch.float32, "torch") * 2
 
-    torch.testing.assert_close(f(x, weights, splits), 2 * ops.grouped_fprop(x, weights, splits, backend="torch"))
+    torch.testing.assert_close(f(x, weights, splits), 2 * gemm.grouped_fprop(x, weights, splits, backend="torch"))
 
 
 def test_backend_without_float64_says_so():
     x, weights, splits = problem(torch.float64)
     with pytest.raises(TypeError, match="backend 'torch' supports dtypes"):
-        ops.grouped_fprop(x, weights, splits, backend="torch")
+        gemm.grouped_fprop(x, weights, splits, backend="torch")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from moe_grouped import ops
+from moe_grouped import gemm
 
 from cases import (
     backends_for,
@@ -50,18 +50,18 @@ def test_fprop_dgrad_wgrad_dbias(device, pattern, dtype, shape):
             num_experts, total, k, n = shape
             bias = torch.randn(num_experts, n).to(dtype).to(device)
 
-            y = ops.grouped_fprop(x, weights, m_splits, bias, backend=backend)
+            y = gemm.grouped_fprop(x, weights, m_splits, bias, backend=backend)
             assert y.dtype == dtype
             assert_close_to(y, oracle_fprop(x, weights, splits, bias), dtype, "fprop " + case)
 
             dy = torch.randn(total, n).to(dtype).to(device)
-            dx = ops.grouped_dgrad(dy, weights, m_splits, backend=backend)
+            dx = gemm.grouped_dgrad(dy, weights, m_splits, backend=backend)
             assert_close_to(dx, oracle_dgrad(dy, weights, splits), dtype, "dgrad " + case)
 
-            dw = ops.grouped_wgrad(dy, x, m_splits, num_groups=num_experts, backend=backend)
+            dw = gemm.grouped_wgrad(dy, x, m_splits, num_groups=num_experts, backend=backend)
             assert_close_to(dw[0], oracle_wgrad(dy, x, splits), dtype, "wgrad " + case)
 
-            db = ops.grouped_dbias(dy, m_splits, backend=backend)
+            db = gemm.grouped_dbias(dy, m_splits, backend=backend)
             assert_close_to(db, oracle_dbias(dy, splits), dtype, "dbias " + case)
 
 
@@ -75,7 +75,7 @@ def test_wgrad_accumulates_into_fp32_and_leaves_empty_experts(device, layout, pa
         dy = torch.randn(shape[1], shape[3]).to(torch.bfloat16).to(device)
         start = torch.randn(shape[0], shape[3], shape[2], dtype=torch.float32)
         out = [start.clone().to(device)] if layout == "grouped" else [s.clone().to(device) for s in start]
-        ops.grouped_wgrad(dy, x, torch.tensor(splits, device=device), out=out, accumulate=True, backend=backend)
+        gemm.grouped_wgrad(dy, x, torch.tensor(splits, device=device), out=out, accumulate=True, backend=backend)
         result = out[0] if layout == "grouped" else torch.stack(out)
         expected = start.double() + oracle_wgrad(dy, x, splits)
         case = f"{backend=} {layout=} {pattern=}"
@@ -93,7 +93,7 @@ def test_wgrad_zeroes_empty_experts_over_garbage(device):
         _, x, _ = make_problem(shape, torch.float32, device, "balanced", "grouped")
         dy = torch.randn(32, 16, device=device)
         out = [torch.full((4, 16, 16), float("nan"), device=device)]
-        ops.grouped_wgrad(dy, x, torch.tensor(splits, device=device), out=out, backend=backend)
+        gemm.grouped_wgrad(dy, x, torch.tensor(splits, device=device), out=out, backend=backend)
         assert torch.equal(out[0][0].cpu(), torch.zeros(16, 16)), backend
         assert torch.equal(out[0][2].cpu(), torch.zeros(16, 16)), backend
         assert_close_to(out[0], oracle_wgrad(dy, x, splits), torch.float32, backend)
@@ -109,7 +109,7 @@ def test_splits_to_offsets(device, splits_dtype, pattern):
         expected.append(expected[-1] + count)
     backends = backends_for(device)
     for backend in backends:
-        offsets = ops.splits_to_offsets(torch.tensor(splits, dtype=splits_dtype, device=device), 50, backend=backend)
+        offsets = gemm.splits_to_offsets(torch.tensor(splits, dtype=splits_dtype, device=device), 50, backend=backend)
         assert offsets.dtype == torch.int64 and offsets.device.type == device
         assert offsets.tolist() == expected, backend
 
@@ -120,20 +120,20 @@ def test_offsets_clamp_invalid_splits_identically_on_every_backend(device):
     # clamp it the same safe way: negatives count as zero, nothing past M.
     splits = torch.tensor([5, -3, 40, 7], device=device)
     for backend in backends_for(device):
-        offsets = ops.splits_to_offsets(splits, 30, backend=backend)
+        offsets = gemm.splits_to_offsets(splits, 30, backend=backend)
         assert offsets.tolist() == [0, 5, 5, 30, 30], backend
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch"])
 def test_out_dtype_float32(backend):
     splits, x, weights = make_problem((3, 30, 16, 8), torch.bfloat16, "cpu", "skewed", "grouped")
-    y = ops.grouped_fprop(x, weights, splits, out_dtype=torch.float32, backend=backend)
+    y = gemm.grouped_fprop(x, weights, splits, out_dtype=torch.float32, backend=backend)
     assert y.dtype == torch.float32
     assert_close_to(y, oracle_fprop(x, weights, splits), torch.bfloat16, backend)
 
 
 def test_list_splits_are_accepted_and_match_tensor_splits():
     splits, x, weights = make_problem((4, 40, 16, 8), torch.float32, "cpu", "skewed", "grouped")
-    from_list = ops.grouped_fprop(x, weights, splits, backend="torch")
-    from_tensor = ops.grouped_fprop(x, weights, torch.tensor(splits, dtype=torch.int32), backend="torch")
+    from_list = gemm.grouped_fprop(x, weights, splits, backend="torch")
+    from_tensor = gemm.grouped_fprop(x, weights, torch.tensor(splits, dtype=torch.int32), backend="torch")
     assert torch.equal(from_list, from_tensor)

@@ -31,7 +31,7 @@ import torch
 import moe_grouped  # noqa: F401  (registers the ops)
 from moe_grouped import _core
 from moe_grouped.activation import swiglu
-from moe_grouped.ops.common import gather_rows
+from moe_grouped._tensors import gather_rows
 
 from cases import SPLIT_PATTERNS, capture_after_a_step, cuda_kernels_reason, make_splits
 from test_gathered_gemm import INDEX_PATTERNS, load_routing, make_index
@@ -43,7 +43,7 @@ CUDA_REASON = cuda_kernels_reason(_core.CAP_FPROP_SWIGLU, "fc1 + SwiGLU")
 needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"ping-pong fprop unavailable: {CUDA_REASON}")
 
 if CUDA_REASON is None:
-    from moe_grouped.ops import cuda_backend
+    from moe_grouped.gemm import cuda_backend
 else:  # collected but skipped
     cuda_backend = None
 

@@ -7,7 +7,8 @@ import torch
 
 from moe_grouped import Router
 from moe_grouped.router import tokens_per_expert
-from moe_grouped.router_gemm import _split_bf16, router_logits
+from moe_grouped.routing import router_logits
+from moe_grouped.routing.torch_backend import _split_bf16
 
 
 def router_with_logits(num_experts, top_k, **options):

@@ -3,28 +3,28 @@
 import pytest
 import torch
 
-from moe_grouped import Router, _core, router_softmax
+from moe_grouped import Router, _core, routing
 
 ROUTERS = {  # name: Router options that take the kernels, and the weights mode they map to
-    "topk_then_softmax": (dict(topk_before_softmax=True), router_softmax.SOFTMAX_CHOSEN),
-    "softmax_normalized": (dict(normalize_topk=True), router_softmax.SOFTMAX_CHOSEN),
-    "softmax_plain": (dict(normalize_topk=False), router_softmax.SOFTMAX_ALL),
-    "softmax_scaled": (dict(normalize_topk=True, scaling_factor=2.5), router_softmax.SOFTMAX_CHOSEN),
-    "plain_scaled": (dict(normalize_topk=False, scaling_factor=0.75), router_softmax.SOFTMAX_ALL),
+    "topk_then_softmax": (dict(topk_before_softmax=True), routing.SOFTMAX_CHOSEN),
+    "softmax_normalized": (dict(normalize_topk=True), routing.SOFTMAX_CHOSEN),
+    "softmax_plain": (dict(normalize_topk=False), routing.SOFTMAX_ALL),
+    "softmax_scaled": (dict(normalize_topk=True, scaling_factor=2.5), routing.SOFTMAX_CHOSEN),
+    "plain_scaled": (dict(normalize_topk=False, scaling_factor=0.75), routing.SOFTMAX_ALL),
 }
 
 
 def gpu_kernels_or_skip():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    if not router_softmax._CORE_HAS_KERNELS:
+    if not routing.cuda_backend._CORE_HAS_SOFTMAX:
         pytest.skip(f"core without mg_route_softmax: {_core.unavailable_reason or 'built before it'}")
 
 
 def composed(monkeypatch, router, x):
     """The router's torch composition on x (the kernels switched off)."""
     with monkeypatch.context() as patch:
-        patch.setattr(router_softmax, "applies", lambda *args: False)
+        patch.setattr(routing, "softmax_route_applies", lambda *args: False)
         return router(x)
 
 
@@ -32,7 +32,7 @@ def composed(monkeypatch, router, x):
 def test_options_map_to_a_weights_mode(monkeypatch, name):
     options, mode = ROUTERS[name]
     router = Router(16, 8, 2, **options)
-    monkeypatch.setattr(router_softmax, "applies", lambda *args: True)
+    monkeypatch.setattr(routing, "softmax_route_applies", lambda *args: True)
     assert router._fused_mode(torch.zeros(1, 16)) == mode
 
 
@@ -41,19 +41,19 @@ def test_options_map_to_a_weights_mode(monkeypatch, name):
 )
 def test_other_routers_compose_torch_ops(monkeypatch, options):
     router = Router(16, 8, 2, **options)
-    monkeypatch.setattr(router_softmax, "applies", lambda *args: True)
+    monkeypatch.setattr(routing, "softmax_route_applies", lambda *args: True)
     assert router._fused_mode(torch.zeros(1, 16)) is None
 
 
 def test_kernels_take_bf16_cuda_only():
     x, w = torch.zeros(4, 16, dtype=torch.bfloat16), torch.zeros(8, 16, dtype=torch.bfloat16)
-    assert not router_softmax.applies(x, w, 2)  # CPU
-    if torch.cuda.is_available() and router_softmax._CORE_HAS_KERNELS:
+    assert not routing.softmax_route_applies(x, w, 2)  # CPU
+    if torch.cuda.is_available() and routing.cuda_backend._CORE_HAS_SOFTMAX:
         x, w = x.cuda(), w.cuda()
-        assert router_softmax.applies(x, w, 2)
-        assert not router_softmax.applies(x.float(), w.float(), 2)
-        assert not router_softmax.applies(x, w, 33)
-        assert not router_softmax.applies(x, torch.zeros(1025, 16, dtype=torch.bfloat16, device="cuda"), 2)
+        assert routing.softmax_route_applies(x, w, 2)
+        assert not routing.softmax_route_applies(x.float(), w.float(), 2)
+        assert not routing.softmax_route_applies(x, w, 33)
+        assert not routing.softmax_route_applies(x, torch.zeros(1025, 16, dtype=torch.bfloat16, device="cuda"), 2)
 
 
 def routed_loss(out, gen):
@@ -197,7 +197,7 @@ def test_graph_replays_with_new_tokens_equal_eager():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", [router_softmax.SOFTMAX_CHOSEN, router_softmax.SOFTMAX_ALL])
+@pytest.mark.parametrize("mode", [routing.SOFTMAX_CHOSEN, routing.SOFTMAX_ALL])
 def test_backward_fp32_output_is_what_the_bf16_halves_round(mode):
     """out_dtype fp32 writes d logits itself; bf16's [hi | lo] are its rounding and the remainder's."""
     gpu_kernels_or_skip()

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe_grouped import _core, router_topk
-from moe_grouped.router_topk import choose_experts
+from moe_grouped import _core
+from moe_grouped.routing import choose_experts, cuda_backend
 
 NAN, INF = float("nan"), float("inf")
 
@@ -65,7 +65,7 @@ def test_float64_and_bf16_scores_use_the_same_rule():
 
 
 def gpu_kernel_or_skip():
-    if not (_core.available() and router_topk._CORE_HAS_KERNEL):
+    if not (_core.available() and cuda_backend._CORE_HAS_TOPK):
         pytest.skip(f"the core's route_topk kernel is not loaded: {_core.unavailable_reason or 'no mg_route_topk'}")
 
 
@@ -96,7 +96,7 @@ def test_kernel_equals_the_stable_sort(num_experts, top_k, pattern):
     gen = torch.Generator(device="cuda").manual_seed(num_experts * 100 + top_k)
     for tokens in (0, 1, 7, 4097):
         scores = scores_of(pattern, tokens, num_experts, gen)
-        assert router_topk._kernel_applies(scores, top_k)
+        assert cuda_backend.topk_applies(scores, top_k)
         experts, counts = torch.ops.moe_grouped.route_topk(scores, top_k, True)
         want_experts, want_counts = torch.ops.moe_grouped.route_topk(scores, top_k, False)
         assert torch.equal(experts, want_experts), (tokens, pattern)
@@ -107,9 +107,9 @@ def test_kernel_equals_the_stable_sort(num_experts, top_k, pattern):
 def test_kernel_limits_fall_back_to_the_sort():
     gpu_kernel_or_skip()
     scores = torch.randn(64, 1025, device="cuda")
-    assert not router_topk._kernel_applies(scores, 8)
-    assert not router_topk._kernel_applies(scores[:, :64].contiguous(), 33)
-    assert not router_topk._kernel_applies(scores.bfloat16(), 8)
+    assert not cuda_backend.topk_applies(scores, 8)
+    assert not cuda_backend.topk_applies(scores[:, :64].contiguous(), 33)
+    assert not cuda_backend.topk_applies(scores.bfloat16(), 8)
     experts, counts = choose_experts(scores, 8)
     assert torch.equal(scores.gather(1, experts), scores.topk(8, dim=-1).values)
     assert int(counts.sum()) == 64 * 8

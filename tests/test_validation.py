@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moe_grouped
-from moe_grouped import GroupedLinear, ops
+from moe_grouped import GroupedLinear, gemm
 
 
 @pytest.fixture
@@ -99,10 +99,10 @@ def test_torch_backend_refuses_more_experts_than_grouped_mm_takes_on_cuda(rows):
     m_splits = torch.zeros(1024, dtype=torch.int64, device="cuda")
     m_splits[5] = rows
     with pytest.raises(ValueError, match="at most 1023 experts on CUDA; m_splits holds 1024"):
-        ops.grouped_fprop(x, [w], m_splits, backend="torch")
+        gemm.grouped_fprop(x, [w], m_splits, backend="torch")
     with pytest.raises(ValueError, match="at most 1023 experts"):
-        ops.grouped_wgrad(x, x, m_splits, num_groups=1024, backend="torch")
-    y = ops.grouped_fprop(x, [w[:1023]], m_splits[:1023], backend="torch")  # 1023 runs
+        gemm.grouped_wgrad(x, x, m_splits, num_groups=1024, backend="torch")
+    y = gemm.grouped_fprop(x, [w[:1023]], m_splits[:1023], backend="torch")  # 1023 runs
     torch.testing.assert_close(y.float(), (x.float() @ w[5].float().t()) if rows else y.float(), atol=0.1, rtol=0.02)
 
 
@@ -111,7 +111,7 @@ def test_splits_to_offsets_device_cuda_takes_splits_on_the_current_gpu():
     """Found by the GPU fuzz: device='cuda' was compared unequal to the splits' cuda:0."""
     m_splits = torch.tensor([2, 0, 3], device="cuda")
     for splits in (m_splits, [2, 0, 3]):
-        offsets = ops.splits_to_offsets(splits, 5, device="cuda", backend="torch")
+        offsets = gemm.splits_to_offsets(splits, 5, device="cuda", backend="torch")
         assert offsets.device == m_splits.device and offsets.tolist() == [0, 2, 2, 5]
 
 
@@ -136,17 +136,17 @@ def test_bad_constructor_arguments():
 def test_ops_check_weights_and_bias():
     x = torch.randn(4, 8)
     with pytest.raises(TypeError, match="weights must be a list"):
-        ops.grouped_fprop(x, torch.randn(2, 4, 8), [2, 2])
+        gemm.grouped_fprop(x, torch.randn(2, 4, 8), [2, 2])
     with pytest.raises(ValueError, match="weights\\[1\\] has shape"):
-        ops.grouped_fprop(x, [torch.randn(4, 8), torch.randn(5, 8)], [2, 2])
+        gemm.grouped_fprop(x, [torch.randn(4, 8), torch.randn(5, 8)], [2, 2])
     with pytest.raises(ValueError, match=r"bias must have shape \(2, 4\)"):
-        ops.grouped_fprop(x, [torch.randn(2, 4, 8)], [2, 2], torch.randn(2, 5))
+        gemm.grouped_fprop(x, [torch.randn(2, 4, 8)], [2, 2], torch.randn(2, 5))
     with pytest.raises(ValueError, match="out_features=4"):
-        ops.grouped_dgrad(torch.randn(4, 5), [torch.randn(2, 4, 8)], [2, 2])
+        gemm.grouped_dgrad(torch.randn(4, 5), [torch.randn(2, 4, 8)], [2, 2])
     with pytest.raises(ValueError, match="num_groups"):
-        ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2])
+        gemm.grouped_wgrad(torch.randn(4, 4), x, [2, 2])
     with pytest.raises(ValueError, match="accumulate=True needs"):
-        ops.grouped_wgrad(torch.randn(4, 4), x, [2, 2], num_groups=2, accumulate=True)
+        gemm.grouped_wgrad(torch.randn(4, 4), x, [2, 2], num_groups=2, accumulate=True)
 
 
 # The reference backend reads m_splits on the host anyway, so a tensor m_splits
@@ -166,13 +166,13 @@ def test_reference_backend_validates_tensor_splits(splits, error, message):
         layer(torch.randn(6, 8), splits)
     weights = [torch.randn(3, 4, 8)]
     with pytest.raises(error, match=message):
-        ops.grouped_fprop(torch.randn(6, 8), weights, splits, backend="reference")
+        gemm.grouped_fprop(torch.randn(6, 8), weights, splits, backend="reference")
     with pytest.raises(error, match=message):
-        ops.grouped_dgrad(torch.randn(6, 4), weights, splits, backend="reference")
+        gemm.grouped_dgrad(torch.randn(6, 4), weights, splits, backend="reference")
     with pytest.raises(error, match=message):
-        ops.grouped_wgrad(torch.randn(6, 4), torch.randn(6, 8), splits, num_groups=3, backend="reference")
+        gemm.grouped_wgrad(torch.randn(6, 4), torch.randn(6, 8), splits, num_groups=3, backend="reference")
     with pytest.raises(error, match=message):
-        ops.grouped_dbias(torch.randn(6, 4), splits, num_groups=3, backend="reference")
+        gemm.grouped_dbias(torch.randn(6, 4), splits, num_groups=3, backend="reference")
 
 
 @pytest.mark.parametrize("splits,error,message", BAD_TENSOR_SPLITS)
@@ -255,41 +255,41 @@ def test_fp8_quantizers_check_splits_and_weights():
 def test_ops_check_out_dtype_num_groups_and_offsets_arguments():
     weights = [torch.randn(2, 3, 4)]
     with pytest.raises(TypeError, match="out_dtype"):
-        ops.grouped_fprop(torch.randn(4, 4), weights, [2, 2], out_dtype=torch.int32, backend="reference")
+        gemm.grouped_fprop(torch.randn(4, 4), weights, [2, 2], out_dtype=torch.int32, backend="reference")
     with pytest.raises(TypeError, match="out_dtype"):
-        ops.grouped_dgrad(torch.randn(4, 3), weights, [2, 2], out_dtype="float", backend="reference")
+        gemm.grouped_dgrad(torch.randn(4, 3), weights, [2, 2], out_dtype="float", backend="reference")
     with pytest.raises(TypeError, match="out_dtype"):
-        ops.grouped_dbias(torch.randn(4, 3), [2, 2], out_dtype=torch.int64, backend="reference")
+        gemm.grouped_dbias(torch.randn(4, 3), [2, 2], out_dtype=torch.int64, backend="reference")
     with pytest.raises(ValueError, match="num_groups"):
-        ops.grouped_dbias(torch.randn(4, 3), [2, 2], num_groups=-1, backend="reference")
+        gemm.grouped_dbias(torch.randn(4, 3), [2, 2], num_groups=-1, backend="reference")
     with pytest.raises(ValueError, match="num_groups"):
-        ops.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [], num_groups=0, backend="reference")
+        gemm.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [], num_groups=0, backend="reference")
     with pytest.raises(TypeError, match="accumulate"):
-        ops.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [2, 2], out=[torch.zeros(2, 3, 2)], accumulate=1)
+        gemm.grouped_wgrad(torch.randn(4, 3), torch.randn(4, 2), [2, 2], out=[torch.zeros(2, 3, 2)], accumulate=1)
     with pytest.raises(ValueError, match="m_splits must be 1-D"):
-        ops.grouped_dbias(torch.randn(4, 3), torch.tensor(4), backend="reference")
+        gemm.grouped_dbias(torch.randn(4, 3), torch.tensor(4), backend="reference")
     with pytest.raises(ValueError, match="m_splits must be 1-D"):
-        ops.splits_to_offsets(torch.tensor(4), 4)
+        gemm.splits_to_offsets(torch.tensor(4), 4)
     with pytest.raises(TypeError, match="m_splits must be a tensor or a list"):
-        ops.splits_to_offsets(5, 5)
+        gemm.splits_to_offsets(5, 5)
     for total_rows in (-3, 3.0, True):
         with pytest.raises(ValueError, match="total_rows"):
-            ops.splits_to_offsets([1, 2], total_rows)
+            gemm.splits_to_offsets([1, 2], total_rows)
     with pytest.raises(ValueError, match="at least one expert"):
-        ops.grouped_fprop(torch.randn(0, 4), [torch.randn(0, 3, 4)], [], backend="reference")
+        gemm.grouped_fprop(torch.randn(0, 4), [torch.randn(0, 3, 4)], [], backend="reference")
 
 
 def test_torch_backend_takes_zero_rows():
     # torch._grouped_mm refuses an empty operand; the row count is static, so the backend returns early.
     weights = [torch.randn(3, 8, 16)]
-    assert ops.grouped_fprop(torch.randn(0, 16), weights, [0, 0, 0], backend="torch").shape == (0, 8)
-    assert ops.grouped_dgrad(torch.randn(0, 8), weights, [0, 0, 0], backend="torch").shape == (0, 16)
-    (dw,) = ops.grouped_wgrad(torch.randn(0, 8), torch.randn(0, 16), [0, 0, 0], num_groups=3, backend="torch")
+    assert gemm.grouped_fprop(torch.randn(0, 16), weights, [0, 0, 0], backend="torch").shape == (0, 8)
+    assert gemm.grouped_dgrad(torch.randn(0, 8), weights, [0, 0, 0], backend="torch").shape == (0, 16)
+    (dw,) = gemm.grouped_wgrad(torch.randn(0, 8), torch.randn(0, 16), [0, 0, 0], num_groups=3, backend="torch")
     assert torch.equal(dw, torch.zeros(3, 8, 16))
 
 
 def test_torch_backend_names_features_whose_rows_are_not_16_bytes():
     with pytest.raises(ValueError, match="in_features=3"):
-        ops.grouped_fprop(torch.randn(2, 3), [torch.randn(2, 8, 3)], [1, 1], backend="torch")
+        gemm.grouped_fprop(torch.randn(2, 3), [torch.randn(2, 8, 3)], [1, 1], backend="torch")
     with pytest.raises(ValueError, match="out_features=5"):
-        ops.grouped_dgrad(torch.randn(2, 5), [torch.randn(2, 5, 8)], [1, 1], backend="torch")
+        gemm.grouped_dgrad(torch.randn(2, 5), [torch.randn(2, 5, 8)], [1, 1], backend="torch")

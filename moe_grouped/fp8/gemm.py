@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _core
-from ..ops import cuda_backend
+from ..gemm import cuda_backend
 from .quantize_reference import (
     BlockQuantized,
     columnwise_groups,

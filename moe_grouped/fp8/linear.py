@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from .. import _core
-from ..ops.common import num_groups_of
+from .._tensors import num_groups_of
 from . import gemm
 from .quantize import quantize_grouped, quantize_weights_128x128
 from .quantize_reference import BlockQuantized, GroupedQuantized, WeightQuantized

@@ -25,7 +25,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from .. import _checks, _core
-from ..ops import cuda_backend  # the GEMMs' grouped operand and its address-array cache
+from ..gemm import cuda_backend  # the GEMMs' grouped operand and its address-array cache
 from .quantize_reference import (
     BlockQuantized,
     GroupedQuantized,

@@ -46,7 +46,7 @@ from .. import backends
 from ..activation import swiglu
 from ..fp8 import get_fp8_recipe
 from ..grouped_linear import GroupedLinear
-from ..ops import check_backend_dtype
+from ..gemm import check_backend_dtype
 from ..permute import permute, unpermute
 
 DEFAULT_NAME = "moe_grouped"

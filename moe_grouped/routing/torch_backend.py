@@ -1,4 +1,4 @@
-"""The router's gate GEMM, ``logits = x W^T`` in float32, on tensor cores for bf16.
+"""The ``torch`` routing backend: the gate GEMM ``x W^T`` in float32 on tensor cores, for bf16 CUDA inputs.
 
 The router wants float32 logits (top-k ties and softmax are sensitive to
 rounding), and ``linear(x.float(), W.float())`` gives them but runs three
@@ -18,27 +18,23 @@ the tensor cores do the same work with the same accuracy:
   so what the split drops is 256 times below their own rounding.
 
 Other dtypes (float16, whose range the split could underflow; float32;
-float64) and CPU tensors use ``linear`` in the accumulation dtype as before.
+float64) and CPU tensors use the reference's ``linear`` in the accumulation
+dtype.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-from .ops.common import compute_dtype
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [T, H] @ weight [E, H]^T`` as float32 logits [T, E] (float64 for float64 input)."""
-    if _tensor_core_path(x, weight):
-        return _BF16GateLogits.apply(x, weight)
-    acc = compute_dtype(x.dtype)
-    return nn.functional.linear(x.to(acc), weight.to(acc))
-
-
-def _tensor_core_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the tensor-core gate GEMM takes these inputs (bf16, on CUDA)."""
     return x.is_cuda and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+
+
+def logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [T, H] @ weight [E, H]^T`` as float32 logits [T, E]; differentiable (bf16 ``x`` and ``weight``)."""
+    return _BF16GateLogits.apply(x, weight)
 
 
 def _split_bf16(d: torch.Tensor) -> torch.Tensor:

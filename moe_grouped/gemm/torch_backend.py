@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .common import end_offsets, expert_matrix, is_grouped_layout, offsets_with_zero, stacked
+from .._tensors import end_offsets, expert_matrix, is_grouped_layout, offsets_with_zero, stacked
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _core
-from .common import gather_rows, gathered_operands, is_grouped_layout
+from .._tensors import gather_rows, gathered_operands, is_grouped_layout
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _checks, backends
-from ._library import backend_module, check_backend_dtype
+from .library import backend_module, check_backend_dtype
 
 SplitsLike = _checks.SplitsLike
 

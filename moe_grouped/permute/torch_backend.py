@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.common import compute_dtype
+from .._tensors import compute_dtype
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

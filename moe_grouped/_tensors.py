@@ -1,4 +1,4 @@
-"""Helpers shared by the backend implementations."""
+"""Tensor helpers shared by the op families: weight layouts, group offsets, accumulation dtype, row gathers."""
 
 from __future__ import annotations
 

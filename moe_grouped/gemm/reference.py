@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .common import compute_dtype, expert_matrix, num_groups_of, offsets_with_zero
+from .._tensors import compute_dtype, expert_matrix, num_groups_of, offsets_with_zero
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 

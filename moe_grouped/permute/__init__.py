@@ -48,8 +48,8 @@ import math
 
 import torch
 
-from . import _checks, _core, backends
-from ._permute.library import backend_module  # registers the torch.ops.moe_grouped permute ops
+from .. import _checks, _core, backends
+from .library import backend_module  # registers the torch.ops.moe_grouped permute ops
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 DROP_POLICIES = ("probs", "position")

@@ -1,7 +1,7 @@
 """``torch.library`` registration of the grouped ops and backend dispatch.
 
 Each op takes the backend's name as its last argument; the checks live in the
-public wrappers (``moe_grouped.ops``), so these bodies only dispatch. The fake
+public wrappers (:mod:`moe_grouped.gemm`), so these bodies only dispatch. The fake
 implementations give shapes to meta tensors, FakeTensor and torch.compile.
 """
 
@@ -13,14 +13,15 @@ from typing import Optional
 import torch
 
 from .. import _core
-from ..activation import _accumulation_dtype  # also registers swiglu_weighted_backward_, which dgrad_swiglu_ runs
+from .._tensors import compute_dtype, gather_rows, gathered_operands, num_groups_of, offsets_with_zero
+# Registers swiglu_weighted_backward_, which grouped_dgrad_swiglu_ runs.
+from ..activation import library as _activation_library  # noqa: F401
 from ..graphs import nvtx
-from . import cuda_backend, reference_backend, torch_backend
-from .common import gather_rows, gathered_operands, num_groups_of, offsets_with_zero
+from . import cuda_backend, reference, torch_backend
 
 # All imported up front (cuda_backend imports without the core and calls it
 # only when an op runs): an import inside a compiled region breaks the graph.
-_MODULES = {"reference": reference_backend, "torch": torch_backend, "cuda": cuda_backend}
+_MODULES = {"reference": reference, "torch": torch_backend, "cuda": cuda_backend}
 
 
 def backend_module(name: str) -> ModuleType:
@@ -125,14 +126,14 @@ def grouped_dgrad_swiglu_(
         if backend == "cuda" and activation_backend == "cuda" and cuda_backend.dgrad_swiglu_fuses(dy, g):
             return cuda_backend.dgrad_swiglu(dy, weights, m_splits, g, routing_weights)
         dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype)
-        dprob = g.new_empty(g.shape[0], dtype=_accumulation_dtype(g.dtype))
+        dprob = g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
         torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
         return dh_u, dprob
 
 
 @grouped_dgrad_swiglu_.register_fake
 def _(dy, weights, m_splits, g, routing_weights, backend, activation_backend):
-    return dy.new_empty(dy.shape[0], weights[0].shape[-1]), g.new_empty(g.shape[0], dtype=_accumulation_dtype(g.dtype))
+    return dy.new_empty(dy.shape[0], weights[0].shape[-1]), g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
 
 
 @torch.library.custom_op("moe_grouped::grouped_wgrad_", mutates_args=("out",))

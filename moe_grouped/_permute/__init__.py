@@ -1,1 +1,0 @@
-"""Backends and ``torch.library`` ops behind :mod:`moe_grouped.permute`."""
