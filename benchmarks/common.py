@@ -1,4 +1,10 @@
-"""Timing and result files shared by the benchmarks."""
+"""What every benchmark shares: its command line and prologue, timing, and the results file.
+
+A benchmark's ``main()`` starts with ``args = prologue(cli(__doc__, SHAPES))``:
+the command line is parsed first (``--help`` needs no GPU), then it exits
+unless torch sees a CUDA GPU, then the clocks are brought up from idle. Its
+rows go to ``benchmarks/results/<bench>-<gpu>.json`` by :func:`write_results`.
+"""
 
 from __future__ import annotations
 
@@ -69,20 +75,87 @@ def graphed(fn, *, warmup: int = 3):
     return graph.replay
 
 
-def shapes_parser(doc: str, known) -> argparse.ArgumentParser:
-    """A parser for a benchmark whose docstring is ``doc``, with ``--shapes`` (default: all of ``known``)."""
+def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:
+    """Backend -> CUDA-event milliseconds of each run; backends alternate order every round.
+
+    Each runs once first, untimed: a graph's first replay also uploads it.
+    """
+    for run in runs.values():
+        run()
+    times = {backend: [] for backend in runs}
+    for r in range(rounds):
+        for backend in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            times[backend] += [run_ms(runs[backend], flush) for _ in range(per_round)]
+    return times
+
+
+def median_rows(times: dict, flops: float, bench: str, op: str, shape: str, splits: str) -> list[dict]:
+    """One result row per backend of ``timed_rounds``' times: the median ms and the TFLOP/s of ``flops``
+    per run."""
+    rows = []
+    for backend, ts in times.items():
+        ms = statistics.median(ts)
+        rows.append({"bench": bench, "op": op, "shape": shape, "splits": splits, "backend": backend,
+                     "ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)})
+    return rows
+
+
+def cli(doc: str, shapes=None, *, rounds: bool = False) -> argparse.ArgumentParser:
+    """The command line of a benchmark whose module docstring ``doc`` is its help.
+
+    ``shapes``: the benchmark's named shapes, chosen with ``--shapes`` (comma-
+    separated; default all; ``args.shapes`` is the list of names).
+    ``rounds``: ``--rounds`` and ``--no-layer``, the options of the benchmarks
+    built on :func:`timed_rounds` and ``moe_layer.layer_step_rows``.
+    """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", default=",".join(known), help="comma-separated names of " + ", ".join(known))
+    if shapes is not None:
+        add_names(parser, "--shapes", shapes)
+    if rounds:
+        parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
+        parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
     return parser
 
 
-def shape_names(spec: str, known, option: str = "--shapes") -> list[str]:
-    """The names in a comma-separated ``option`` value; exits naming any not in ``known``."""
-    names = spec.split(",")
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"{option}: unknown {unknown}; known {list(known)}")
-    return names
+def add_names(parser: argparse.ArgumentParser, option: str, known) -> None:
+    """``option``: comma-separated names of ``known`` (default: all), parsed into a list; an unknown name is
+    a usage error that lists the known ones."""
+    known = list(known)
+
+    def names(spec: str) -> list[str]:
+        chosen = spec.split(",")
+        unknown = [n for n in chosen if n not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; known {known}")
+        return chosen
+
+    parser.add_argument(option, type=names, default=known, help="comma-separated, of " + ", ".join(known))
+
+
+def prologue(parser: argparse.ArgumentParser, *, warm_up: bool = True) -> argparse.Namespace:
+    """Every benchmark's prologue: the command line parsed, an exit unless torch sees a CUDA GPU, then
+    (``warm_up``) :func:`warm_up_clocks`."""
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{parser.prog} needs a CUDA GPU, and torch sees none; run it on the GPU machine")
+    if warm_up:
+        warm_up_clocks()
+    return args
+
+
+def warm_up_clocks(seconds: float = 3.0) -> None:
+    """Runs matrix products until the GPU has left its idle clocks."""
+    a = torch.randn(8192, 8192, device="cuda").bfloat16()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    elapsed = 0.0
+    while elapsed < seconds * 1000:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        elapsed = start.elapsed_time(end)
 
 
 def write_results(bench: str, rows: list[dict], **extra) -> pathlib.Path:

@@ -30,7 +30,7 @@ import pathlib
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, time_ms, write_results  # noqa: E402
+from common import L2Flush, cli, graphed, print_table, prologue, time_ms, write_results  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 
@@ -219,6 +219,7 @@ def print_ratios(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    prologue(cli(__doc__), warm_up=False)
     torch.manual_seed(0)
     flush = L2Flush()
     quantize = activation_rows(flush) + weight_rows(flush)

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import moe_grouped  # noqa: E402
-from common import time_ms, write_results  # noqa: E402
+from common import cli, prologue, time_ms, write_results  # noqa: E402
 from moe_grouped import GroupedLinear, graphs  # noqa: E402
 
 SHAPES = [(8, 1024, 512, 512), (8, 8192, 2048, 2048)]  # (E, M, K, N)
@@ -75,6 +75,7 @@ def host_syncs(step) -> int:
 
 
 def main() -> None:
+    prologue(cli(__doc__), warm_up=False)
     backends = ["torch"]
     if moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
         backends.append("cuda")

@@ -20,7 +20,6 @@ seed). Median of CUDA-event-timed runs with a 256 MB L2 flush before each.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -30,7 +29,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, time_ms, write_results  # noqa: E402
+from common import L2Flush, cli, graphed, print_table, prologue, time_ms, write_results  # noqa: E402
 
 # (E, M, K, N)
 SHAPES = [
@@ -144,33 +143,17 @@ class Problem:
         return lambda: [p() for p in parts]
 
 
-def warm_up_clocks(seconds: float = 3.0) -> None:
-    """Runs matrix products until the GPU has left its idle clocks."""
-    a = torch.randn(8192, 8192, device="cuda").bfloat16()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    elapsed = 0.0
-    while elapsed < seconds * 1000:
-        for _ in range(10):
-            a @ a
-        end.record()
-        end.synchronize()
-        elapsed = start.elapsed_time(end)
-
-
 def shape_name(shape) -> str:
     return "E{}_M{}_K{}_N{}".format(*shape)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli(__doc__)
     parser.add_argument("--tiles", type=pathlib.Path, help="also time every cuda tile config; JSON here")
     parser.add_argument("--repeats", type=int, default=40)
-    args = parser.parse_args()
+    args = prologue(parser)
     flush = L2Flush()
     rows, tile_rows = [], []
-    warm_up_clocks()
     for shape in SHAPES:
         for splits_kind in SPLITS:
             problem = Problem(shape, splits_kind)

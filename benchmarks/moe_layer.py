@@ -73,7 +73,6 @@ dy and h, write dh) = 8 * T * top_k * ffn * 2 bytes.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import pathlib
 import sys
@@ -84,13 +83,8 @@ import torch
 from torch.nn import functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-if not torch.cuda.is_available():
-    raise SystemExit("benchmarks/moe_layer.py needs a CUDA GPU, and torch sees none; run it on the GPU machine")
-
 import moe_grouped  # noqa: E402
-from common import L2Flush, graphed, time_ms, write_results  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
+from common import L2Flush, cli, graphed, median_rows, prologue, run_ms, time_ms, write_results  # noqa: E402
 from moe_grouped import MoELayer, graphs, permute, unpermute  # noqa: E402
 from moe_grouped.permute import cuda_unavailable_reason as permute_cuda_unavailable_reason  # noqa: E402
 from moe_grouped.activation import cuda_unavailable_reason as swiglu_cuda_unavailable_reason  # noqa: E402
@@ -424,11 +418,47 @@ def select_shapes(spec: str) -> tuple[list[Shape], str]:
     return [s for s in SHAPES + EXPERTS_PATH_SHAPES if s.name in names], "moe_layer_subset"
 
 
+def layer_step_rows(names: list[str], rounds: int, flush: L2Flush, runners: dict, bench: str) -> list[dict]:
+    """Rows of op ``layer_fwd_bwd``: a fused MoELayer step of each named issue-19 shape, eager and graphed,
+    under each of ``runners`` (label -> a wrapper of the step's eager run and capture, which sets what the
+    variant changes), in interleaved rounds."""
+    rows = []
+    for shape in [s for s in EXPERTS_PATH_SHAPES if s.name in names]:
+        inputs = make_inputs(shape)
+        layer = make_layer(shape, "cuda_fused")  # the runner picks the kernels at each call
+        runs = tuple(runners.items())
+        times = {f"{label}{mode}": [] for label, _ in runs for mode in ("", "_graphed")}
+        for r in range(rounds):
+            # One variant's graph alive at a time, captured afresh each round:
+            # with every variant's graph held at once, replays slowed unevenly,
+            # whatever their kernels (Mixtral-like on the H100: the core's
+            # choice 7% behind the same kernels under another name; in another
+            # capture order one variant 21% behind). Five graphs of one layer
+            # alive replay 2-7% slower than one alone.
+            for label, runner in (runs if r % 2 == 0 else runs[::-1]):
+                steps = Steps(layer, inputs)
+                eager = runner(steps.eager)
+                eager()
+                _, replay = runner(steps.capture)()
+                replay()  # a graph's first replay also uploads it
+                for mode, run in (("", eager), ("_graphed", replay)):
+                    times[label + mode] += [run_ms(run, flush) for _ in range(2)]
+                del steps, eager, replay
+                free_memory()
+        rows += median_rows(times, shape.flops(), bench, "layer_fwd_bwd", shape.name, "router")
+        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
+              flush=True)
+        del layer
+        free_memory()
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = cli(__doc__)
     parser.add_argument("--shapes", default="all",
                         help='"all" (default), "experts_path" (issue 19\'s five shapes) or comma-separated names')
-    shapes, bench_name = select_shapes(parser.parse_args().shapes)
+    args = prologue(parser)
+    shapes, bench_name = select_shapes(args.shapes)
     start = time.perf_counter()
     backends = ["cuda", "torch"]
     reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
@@ -447,7 +477,6 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; fwd_bwd backends {backends} "
           f"(+ _graphed, loop), permute backends {permute_backends}", flush=True)
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for shape in shapes:
         print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)

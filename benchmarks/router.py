@@ -32,11 +32,10 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, run_ms, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import layer_step_rows, rounds_parser  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
+from common import L2Flush, cli, graphed, print_table, prologue, run_ms, write_results  # noqa: E402
 
 import moe_layer  # noqa: E402
+from moe_layer import layer_step_rows  # noqa: E402
 
 SHAPES = {s.name: s for s in moe_layer.EXPERTS_PATH_SHAPES}
 
@@ -117,9 +116,8 @@ def on_router_path(name: str):
 
 
 def main() -> None:
-    args = rounds_parser(__doc__).parse_args()
-    names = shape_names(args.shapes, SHAPES)
-    warm_up_clocks()
+    args = prologue(cli(__doc__, SHAPES, rounds=True))
+    names = args.shapes
     flush = L2Flush()
     rows = router_rows(names, args.rounds, flush)
     if not args.no_layer:

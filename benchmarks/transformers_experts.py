@@ -40,19 +40,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-if not torch.cuda.is_available():
-    raise SystemExit(
-        "benchmarks/transformers_experts.py needs a CUDA GPU, and torch sees none; run it on the GPU machine"
-    )
-
 try:
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 except ImportError as error:
     raise SystemExit(f'benchmarks/transformers_experts.py needs transformers>=5: pip install "transformers>=5" ({error})')
 
-from common import L2Flush, time_ms, write_results  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
+from common import L2Flush, cli, prologue, time_ms, write_results  # noqa: E402
 from moe_grouped import graphs  # noqa: E402
 from moe_grouped.integrations import transformers as mg_transformers  # noqa: E402
 
@@ -233,11 +227,11 @@ def summarize(rows: list[dict]) -> None:
 
 
 def main() -> None:
+    prologue(cli(__doc__))
     start = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers {transformers.__version__}",
           flush=True)
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for shape in SHAPES:
         print(f"{shape.label}: {shape.flops() / 1e12:.1f} TFLOP of expert GEMMs per step", flush=True)

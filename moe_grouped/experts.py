@@ -85,7 +85,7 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
     With the core's gathered kernel (bf16 on the ``cuda`` backend), the GEMM
     reads the token rows through the routing index, so no permuted [R, H]
     copy is written and read back; rows no copy maps to read zeros, as the
-    copy would hold. Measured on the H100 (benchmarks/gathered_gemm.py), the
+    copy would hold. Measured on the H100 (benchmarks/kernels/gathered_gemm.py), the
     gathered fc1 is 1.03-1.20x as fast as the copy plus the plain kernel on
     the four fine-grained experts-path shapes and 0.93x on Mixtral-like; the
     fused layer step, fc1 gathered against fc1 on a copy in one process, is

@@ -27,7 +27,7 @@ def weighted_backward_into(
     wh: torch.Tensor,
     dprob: torch.Tensor,
 ) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``; the clamped sum of the counts stays on the device."""
+    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``; the counts are summed on the device."""
     rows = dh_u.shape[0]
     real_rows = rows if m_splits is None else m_splits.to(torch.int64).clamp(0, rows).sum().clamp(max=rows)
     reference.write_weighted_backward(dh_u, g, weights, real_rows, dg, wh, dprob)

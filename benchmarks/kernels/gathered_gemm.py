@@ -21,7 +21,7 @@ top-k experts per token, so rows of one expert come from all over x):
 TFLOP/s count the GEMM only (2 * rows * N * K). Median of CUDA-event-timed
 runs with a 256 MB L2 flush before each.
 
-    python benchmarks/gathered_gemm.py [--shapes qwen3_30b_16k,...]
+    python benchmarks/kernels/gathered_gemm.py [--shapes qwen3_30b_16k,...]
 """
 
 from __future__ import annotations
@@ -32,9 +32,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, shape_names, shapes_parser, time_ms, write_results  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import L2Flush, cli, print_table, prologue, time_ms, write_results  # noqa: E402
 
 # name: (T, H, I, E, k), the experts-path shapes of benchmarks/moe_layer.py
 SHAPES = {
@@ -126,12 +125,11 @@ class Case:
 
 
 def main() -> None:
-    parser = shapes_parser(__doc__, SHAPES)
+    parser = cli(__doc__, SHAPES)
     parser.add_argument("--repeats", type=int, default=30)
-    args = parser.parse_args()
-    names = shape_names(args.shapes, SHAPES)
+    args = prologue(parser)
+    names = args.shapes
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for name in names:
         case = Case(SHAPES[name])

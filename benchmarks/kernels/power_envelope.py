@@ -19,7 +19,7 @@ measures both for the same graph replay, in one process:
                  listed even where the clock stays near its top, as in the
                  torch layer steps: sm_mhz shows how far the clock came down)
 
-GEMM rows (the six GEMMs of benchmarks/experts_gemm_tiles.py on ``topk_random``
+GEMM rows (the six GEMMs of benchmarks/kernels/experts_gemm_tiles.py on ``topk_random``
 splits of the issue-19 shapes, R = T * top-k rows): ``cuda`` the core's
 choice, ``torch`` torch._grouped_mm, ``loop`` one matmul per expert, ``dense``
 one matmul of the same FLOPs (the ceiling). Layer rows (op ``fwd_bwd``, splits
@@ -27,7 +27,7 @@ one matmul of the same FLOPs (the ceiling). Layer rows (op ``fwd_bwd``, splits
 (``cuda_fused_graphed``, ``torch_graphed``), new inputs every step; tflops
 counts the expert GEMMs only (18 * T * k * H * I).
 
-    python benchmarks/power_envelope.py [--shapes qwen3_30b_16k,...]
+    python benchmarks/kernels/power_envelope.py [--shapes qwen3_30b_16k,...]
     # table + results/power_envelope-<gpu>.json
 """
 
@@ -41,11 +41,10 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, shape_names, shapes_parser, time_ms, write_results  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import L2Flush, cli, graphed, prologue, time_ms, write_results  # noqa: E402
 from experts_gemm_tiles import OPS, Experts  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
 
 IDLE_S = 0.3
 RUNS = 10
@@ -195,13 +194,12 @@ def summarize(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = shapes_parser(__doc__, SHAPES)
+    parser = cli(__doc__, SHAPES)
     parser.add_argument("--no-gemms", action="store_true", help="only the layer steps")
-    args = parser.parse_args()
-    names = shape_names(args.shapes, SHAPES)
+    args = prologue(parser)
+    names = args.shapes
     nvml = Nvml()
     flush = L2Flush()
-    warm_up_clocks()
     limit = nvml.power_limit_w()
     print(f"power limit {limit:.0f} W; columns: from idle ms, TFLOP/s | back to back ms, TFLOP/s, W, mJ per run, "
           "SM clock, capped fraction", flush=True)

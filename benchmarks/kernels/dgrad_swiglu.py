@@ -1,7 +1,7 @@
 """fc2's dgrad with the weighted SwiGLU backward in its epilogue, against the two passes it replaces.
 
 The fused experts path's backward through fc2 and SwiGLU, per issue-19 shape
-(benchmarks/gathered_gemm.py's SHAPES), on permuted rows R = T * k with a
+(benchmarks/kernels/gathered_gemm.py's SHAPES), on permuted rows R = T * k with a
 router's top-k counts (``topk_random``) and with balanced ones: from dy_u
 [R, H], W2 [E, H, I], g [R, 2I] and the routing weights w [R], produce dg
 (in place of g), wh = w * h and dprob. Backends, each captured in a CUDA
@@ -19,12 +19,12 @@ TFLOP/s count the dgrad's 2 R H I. dg and wh of cuda_fused are checked to be
 bitwise those of cuda_unfused before timing.
 
 op ``layer_fwd_bwd`` (unless ``--no-layer``): one training step of the fused
-MoELayer as in benchmarks/experts_gemm_tiles.py's layer rows, with the two
+MoELayer as in benchmarks/kernels/experts_gemm_tiles.py's layer rows, with the two
 passes (backend ``cuda``, the default) and with the fused kernel
 (``cuda:dgrad_swiglu_fused``, MOE_GROUPED_DGRAD_SWIGLU=fused), eager and
 graphed, one process, each captured afresh every round.
 
-    python benchmarks/dgrad_swiglu.py    # table + results/dgrad_swiglu-<gpu>.json
+    python benchmarks/kernels/dgrad_swiglu.py    # table + results/dgrad_swiglu-<gpu>.json
 """
 
 from __future__ import annotations
@@ -35,13 +35,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import (  # noqa: E402
-    SPLITS, Experts, layer_rows, median_rows, rounds_parser, summarize_layer, timed_rounds,
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import L2Flush, cli, graphed, median_rows, print_table, prologue, timed_rounds, write_results  # noqa: E402
+from experts_gemm_tiles import SPLITS, Experts, layer_rows, summarize_layer  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
 
 BACKENDS = ("cuda_fused", "cuda_unfused", "torch", "loop", "dense")
 LAYER_VARIANTS = {"cuda:dgrad_swiglu_fused": {"MOE_GROUPED_DGRAD_SWIGLU": "fused"}}
@@ -89,10 +86,9 @@ def runs_of(problem: Experts) -> dict:
 
 
 def main() -> None:
-    args = rounds_parser(__doc__).parse_args()
-    names = shape_names(args.shapes, SHAPES)
+    args = prologue(cli(__doc__, SHAPES, rounds=True))
+    names = args.shapes
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for name in names:
         for splits_kind in SPLITS:

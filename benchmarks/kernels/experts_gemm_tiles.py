@@ -1,6 +1,6 @@
 """The core's grouped GEMM variants (tile configurations, D-map handling) on the MoE experts' six GEMMs.
 
-For each issue-19 shape (benchmarks/gathered_gemm.py's SHAPES: T, H, ffn I,
+For each issue-19 shape (benchmarks/kernels/gathered_gemm.py's SHAPES: T, H, ffn I,
 E experts, top-k) and each of the experts' GEMMs on permuted rows (R = T * k):
 
   fc1_fprop  g = xp . W1^T      (N = 2I, K = H)    fc1_dgrad  dxp = dg . W1  (N = H,  K = 2I)
@@ -40,7 +40,7 @@ no other variant's graph alive, in alternating order.
 ``cuda:coop_128x256x64_c1x1`` is the core's choice as it was before the
 128x64 wgrad epilogue.
 
-    python benchmarks/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
+    python benchmarks/kernels/experts_gemm_tiles.py    # table + results/experts_gemm_tiles-<gpu>.json
 """
 
 from __future__ import annotations
@@ -54,10 +54,13 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, graphed, print_table, run_ms, shape_names, shapes_parser, write_results  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import (  # noqa: E402
+    L2Flush, add_names, cli, graphed, median_rows, print_table, prologue, timed_rounds, write_results,
+)
 from gathered_gemm import SHAPES  # noqa: E402
-from grouped_gemm import TILE_ENV, warm_up_clocks  # noqa: E402
+from grouped_gemm import TILE_ENV  # noqa: E402
+from moe_layer import layer_step_rows  # noqa: E402
 
 CONFIGS = ("coop_128x256x64_c2x1", "coop_128x256x64_c1x1", "coop_128x256x64_c2x1_e128x64")
 STORE_MAPS_ENV = "MOE_GROUPED_GEMM_STORE_MAPS"
@@ -165,24 +168,14 @@ def replays(core, reference, op: str, variants: dict) -> dict:
     return runs
 
 
-def rounds_parser(doc: str):
-    """--shapes, --rounds and --no-layer: the options of the benchmarks built on timed_rounds and layer_rows."""
-    parser = shapes_parser(doc, SHAPES)
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds of 3 timed runs per backend")
-    parser.add_argument("--no-layer", action="store_true", help="skip the MoE layer steps")
-    return parser
-
-
 def main() -> None:
-    parser = rounds_parser(__doc__)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
-    parser.add_argument("--splits", default=",".join(SPLITS), help="comma-separated, of " + ", ".join(SPLITS))
-    args = parser.parse_args()
-    names = shape_names(args.shapes, SHAPES)
-    variants = {name: VARIANTS[name] for name in shape_names(args.variants, VARIANTS, "--variants")}
-    splits = shape_names(args.splits, SPLITS, "--splits")
+    parser = cli(__doc__, SHAPES, rounds=True)
+    add_names(parser, "--variants", VARIANTS)
+    add_names(parser, "--splits", SPLITS)
+    args = prologue(parser)
+    names, splits = args.shapes, args.splits
+    variants = {name: VARIANTS[name] for name in args.variants}
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for name in names:
         for splits_kind in splits:
@@ -203,73 +196,11 @@ def main() -> None:
     print(f"wrote {write_results('experts_gemm_tiles', rows)}")
 
 
-def median_rows(times: dict, flops: float, bench: str, op: str, shape: str, splits: str) -> list[dict]:
-    """One result row per backend of ``timed_rounds``' times: the median ms and the TFLOP/s of ``flops``
-    per run."""
-    rows = []
-    for backend, ts in times.items():
-        ms = statistics.median(ts)
-        rows.append({"bench": bench, "op": op, "shape": shape, "splits": splits, "backend": backend,
-                     "ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)})
-    return rows
-
-
-def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:
-    """Backend -> CUDA-event milliseconds of each run; backends alternate order every round.
-
-    Each runs once first, untimed: a graph's first replay also uploads it.
-    """
-    for run in runs.values():
-        run()
-    times = {backend: [] for backend in runs}
-    for r in range(rounds):
-        for backend in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            times[backend] += [run_ms(runs[backend], flush) for _ in range(per_round)]
-    return times
-
-
 def layer_rows(names: list[str], rounds: int, flush: L2Flush, variants: dict, bench: str) -> list[dict]:
     """Rows of op ``layer_fwd_bwd``: a fused MoELayer step under each of ``variants`` (name -> the core's
     environment) and the core's choice ("cuda"), eager and graphed (see the module docstring)."""
     runners = {label: functools.partial(forced, env) for label, env in variants.items()}
     return layer_step_rows(names, rounds, flush, {**runners, "cuda": lambda fn: fn}, bench)
-
-
-def layer_step_rows(names: list[str], rounds: int, flush: L2Flush, runners: dict, bench: str) -> list[dict]:
-    """Rows of op ``layer_fwd_bwd``: a fused MoELayer step of each named issue-19 shape, eager and graphed,
-    under each of ``runners`` (label -> a wrapper of the step's eager run and capture, which sets what the
-    variant changes), in interleaved rounds."""
-    import moe_layer
-
-    rows = []
-    for shape in [s for s in moe_layer.EXPERTS_PATH_SHAPES if s.name in names]:
-        inputs = moe_layer.make_inputs(shape)
-        layer = moe_layer.make_layer(shape, "cuda_fused")  # the runner picks the kernels at each call
-        runs = tuple(runners.items())
-        times = {f"{label}{mode}": [] for label, _ in runs for mode in ("", "_graphed")}
-        for r in range(rounds):
-            # One variant's graph alive at a time, captured afresh each round:
-            # with every variant's graph held at once, replays slowed unevenly,
-            # whatever their kernels (Mixtral-like on the H100: the core's
-            # choice 7% behind the same kernels under another name; in another
-            # capture order one variant 21% behind). Five graphs of one layer
-            # alive replay 2-7% slower than one alone.
-            for label, runner in (runs if r % 2 == 0 else runs[::-1]):
-                steps = moe_layer.Steps(layer, inputs)
-                eager = runner(steps.eager)
-                eager()
-                _, replay = runner(steps.capture)()
-                replay()  # a graph's first replay also uploads it
-                for mode, run in (("", eager), ("_graphed", replay)):
-                    times[label + mode] += [run_ms(run, flush) for _ in range(2)]
-                del steps, eager, replay
-                moe_layer.free_memory()
-        rows += median_rows(times, shape.flops(), bench, "layer_fwd_bwd", shape.name, "router")
-        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
-              flush=True)
-        del layer
-        moe_layer.free_memory()
-    return rows
 
 
 def summarize_layer(rows, variants) -> None:

@@ -1,6 +1,6 @@
 """The core's ping-pong fprop against its cooperative CUTLASS fprop, on the experts' forward GEMMs.
 
-For each issue-19 shape (benchmarks/gathered_gemm.py's SHAPES: T, H, ffn I,
+For each issue-19 shape (benchmarks/kernels/gathered_gemm.py's SHAPES: T, H, ffn I,
 E experts, top-k; router-like random top-k routing, R = T * k rows):
 
   fc1_fprop    g = xp . W1^T on the permuted copy        (N = 2I, K = H)
@@ -24,10 +24,10 @@ The two cuda backends must agree bitwise (checked). TFLOP/s count the GEMM's
 
 op ``layer_fwd_bwd``: one training step of the fused MoELayer
 (benchmarks/moe_layer.py's), the core's choice against every fprop on the
-cooperative kernel, eager and graphed, as benchmarks/experts_gemm_tiles.py
+cooperative kernel, eager and graphed, as benchmarks/kernels/experts_gemm_tiles.py
 times its variants.
 
-    python benchmarks/pingpong_fprop.py    # table + results/pingpong_fprop-<gpu>.json
+    python benchmarks/kernels/pingpong_fprop.py    # table + results/pingpong_fprop-<gpu>.json
 """
 
 from __future__ import annotations
@@ -39,13 +39,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, shape_names, write_results  # noqa: E402
-from experts_gemm_tiles import (  # noqa: E402
-    FPROP_ENV, layer_rows, median_rows, replays, rounds_parser, summarize_layer, timed_rounds,
-)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import L2Flush, cli, median_rows, print_table, prologue, timed_rounds, write_results  # noqa: E402
+from experts_gemm_tiles import FPROP_ENV, layer_rows, replays, summarize_layer  # noqa: E402
 from gathered_gemm import SHAPES, Case  # noqa: E402
-from grouped_gemm import warm_up_clocks  # noqa: E402
 
 OPS = ("fc1_fprop", "fc2_fprop", "fc1_swiglu")
 CUTLASS = {"cuda:cutlass_fprop": {FPROP_ENV: "cutlass"}}
@@ -85,10 +82,9 @@ def reference_run(case: Case, op: str, backend: str):
 
 
 def main() -> None:
-    args = rounds_parser(__doc__).parse_args()
-    names = shape_names(args.shapes, SHAPES)
+    args = prologue(cli(__doc__, SHAPES, rounds=True))
+    names = args.shapes
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for name in names:
         case = Case(SHAPES[name])

@@ -23,7 +23,7 @@ read up to 11% apart):
 Ops fprop and dgrad of fc1 (K = 2048 -> N = 1536) and fc2 (K = 768 -> N = 2048);
 splits balanced and skewed (benchmarks/grouped_gemm.py's).
 
-    python benchmarks/tile_order.py   # table + results/tile_order-<gpu>.json
+    python benchmarks/kernels/tile_order.py   # table + results/tile_order-<gpu>.json
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from common import L2Flush, print_table, time_ms, write_results  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
+from common import L2Flush, cli, print_table, prologue, time_ms, write_results  # noqa: E402
 from experts_gemm_tiles import forced  # noqa: E402
-from grouped_gemm import SPLITS, Problem, shape_name, warm_up_clocks  # noqa: E402
+from grouped_gemm import SPLITS, Problem, shape_name  # noqa: E402
 
 ROWS = 131072
 # (E, M, K, N): fc1 and fc2 of the Qwen3-like experts
@@ -58,9 +58,9 @@ def timed(problem: Problem, op: str, backend: str, flush: L2Flush, repeats: int)
 
 
 def main() -> None:
+    prologue(cli(__doc__))
     os.environ.pop(RASTER_ENV, None)
     flush = L2Flush()
-    warm_up_clocks()
     rows = []
     for shape in SHAPES:
         for splits_kind in SPLITS:
