@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
+# Usage: bash tools/run_on_device.sh [pytest args...]   (from any folder, on the GPU machine)
+#
 # One call on the GPU machine: install (building the core with all cores),
-# report, run the whole test suite, then the benchmarks. Logs and JSON go to
-# $OUT (the device tool brings that folder back, at most 8 files).
-#   device run, carrying .whl (nvidia-cutlass + nvtx wheels for its Python):
-#     bash benchmarks/run_on_device.sh [pytest args...]
+# report, run the whole test suite, then the user-facing benchmarks. Logs and
+# JSON go to $OUT (the device tool brings that folder back, at most 8 files).
+# The GPU machine reaches no package index: carry .whl/ (the nvidia-cutlass
+# and nvtx wheels for its Python) with the working tree.
 set -uo pipefail
+cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/moe_grouped_out}
 mkdir -p "$OUT"
