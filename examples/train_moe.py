@@ -40,8 +40,8 @@ rank trains on its own batches, the replicated parameters' gradients are
 averaged over the ranks (data parallel) and the experts' are divided by N, so
 the step is that of the mean loss over all ranks. ``--ep 1`` runs the same
 code path on one process (the ``local`` transport). ``--ep-transport`` picks
-the transport (``symm_mem``, ``padded_all_to_all``: see the README). Only
-rank 0 prints.
+the transport (``peer``, the default on GPUs, ``symm_mem``,
+``padded_all_to_all``, ``all_to_all``: see the README). Only rank 0 prints.
 
 Progress uses tqdm when it is installed (``pip install -e ".[examples]"``)
 and plain prints otherwise.
@@ -518,7 +518,7 @@ def parse_args(argv=None):
     parser.add_argument("--ep", type=int, default=None,
                         help="spread the experts over N ranks (expert parallel; launch N processes with torchrun)")
     parser.add_argument("--ep-transport", default="auto",
-                        choices=("auto", "symm_mem", "padded_all_to_all", "all_to_all", "local"),
+                        choices=("auto", "peer", "symm_mem", "padded_all_to_all", "all_to_all", "local"),
                         help="with --ep: how token copies travel between ranks (default: auto)")
     args = parser.parse_args(argv)
     if args.fp8 and args.backend == "torch":

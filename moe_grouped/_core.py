@@ -8,6 +8,7 @@ the core's own message.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -37,6 +38,7 @@ CAP_SWIGLU = 32
 CAP_GATHERED_GEMM = 64
 CAP_DGRAD_SWIGLU = 128
 CAP_FPROP_SWIGLU = 256
+CAP_EP_TRANSPORT = 512
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -137,6 +139,55 @@ class Fp8Operand(ctypes.Structure):
         ("data", ctypes.c_void_p),
         ("scale_inv", ctypes.c_void_p),
         ("dtype", ctypes.c_int),
+    ]
+
+
+EP_MAX_RANKS = 16  # MG_EP_MAX_RANKS
+
+
+class EpGroup(ctypes.Structure):
+    """``mg_ep_group``."""
+
+    _fields_ = [
+        ("rank", ctypes.c_int),
+        ("world_size", ctypes.c_int),
+        ("num_blocks", ctypes.c_int),
+        ("base", ctypes.c_void_p * EP_MAX_RANKS),
+        ("flags_offset", ctypes.c_int64),
+        ("state_offset", ctypes.c_int64),
+    ]
+
+
+class EpDispatchArgs(ctypes.Structure):
+    """``mg_ep_dispatch_args``."""
+
+    _fields_ = [
+        ("segment_rows", ctypes.c_int64),
+        ("counts_offset", ctypes.c_int64),
+        ("index_offset", ctypes.c_int64),
+        ("rows_offset", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+        ("extra_offset", ctypes.c_int64),
+        ("extra_bytes", ctypes.c_int64),
+        ("out_rows", ctypes.c_void_p),
+        ("out_extra", ctypes.c_void_p),
+    ]
+
+
+class EpCombineArgs(ctypes.Structure):
+    """``mg_ep_combine_args``."""
+
+    _fields_ = [
+        ("segment_rows", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int64),
+        ("pos", ctypes.c_void_p),
+        ("partial_offset", ctypes.c_int64),
+        ("hidden", ctypes.c_int64),
+        ("dtype", ctypes.c_int),
+        ("out", ctypes.c_void_p),
+        ("extra_offset", ctypes.c_int64),
+        ("extra_cols", ctypes.c_int64),
+        ("out_extra", ctypes.c_void_p),
     ]
 
 
@@ -284,6 +335,14 @@ _PROTOTYPES = {
     # SwiGLU: present only when the core was built with csrc/activation.
     "mg_swiglu_forward": (ctypes.c_int, [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
     "mg_swiglu_backward": (ctypes.c_int, [_vp, _vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp]),
+    "mg_set_gemm_sm_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    # Expert-parallel dispatch and combine: present only when built with csrc/ep.
+    "mg_ep_dispatch": (ctypes.c_int, [ctypes.POINTER(EpGroup), ctypes.POINTER(EpDispatchArgs), _vp]),
+    "mg_ep_combine": (ctypes.c_int, [ctypes.POINTER(EpGroup), ctypes.POINTER(EpCombineArgs), _vp]),
+    "mg_ep_plan": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, _vp, _vp, _vp, _vp],
+    ),
     "mg_swiglu_weighted_backward": (
         ctypes.c_int,
         [_vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp,
@@ -393,3 +452,16 @@ def device_index(device: torch.device) -> int:
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current torch stream on ``device``."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+@contextlib.contextmanager
+def gemm_sm_limit(device: torch.device, sms: int):
+    """The core's GEMMs launched inside use at most ``sms`` SMs of ``device`` (``mg_set_gemm_sm_limit``),
+    leaving the others to a kernel running beside them; the limit is lifted on exit."""
+    index = device_index(device)
+    check(lib.mg_set_gemm_sm_limit(index, sms))
+    try:
+        yield
+    finally:
+        check(lib.mg_set_gemm_sm_limit(index, 0))
+

@@ -32,11 +32,13 @@ then refuses the second backward.
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from . import _core
 from .activation import swiglu
 from .gemm import cuda_backend
 from .grouped_linear import _main_grads, _param_grads, _Spec
@@ -61,6 +63,24 @@ class Plan:
     top_k: int = 1
     num_rows: int = 0  # R, rows of the permuted buffer (static)
     zero_unmapped: bool = False  # rows no copy maps to exist (capacity): zero them
+
+
+@dataclass(frozen=True)
+class Sinks:
+    """Where the fused op puts what an expert-parallel transport sends on (default: new tensors).
+
+    ``out``: the forward's combined rows are written here (e.g. a transport's
+    buffer, saving the copy into it) and returned. ``grad_tokens``: the
+    backward's token gradient is written here. ``on_grad_tokens(grad_tokens,
+    grad_probs)``: called as soon as both exist, before fc1's weight
+    gradient, which then runs on at most ``gemm_sms`` SMs (0: all) so that
+    what the callback started runs beside it.
+    """
+
+    out: Optional[torch.Tensor] = None
+    grad_tokens: Optional[torch.Tensor] = None
+    on_grad_tokens: Optional[Callable] = None
+    gemm_sms: int = 0
 
 
 def check_experts_path(experts_path) -> Optional[str]:
@@ -157,36 +177,52 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
     return _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)
 
 
+def _unpermute(plan: Plan, y, row_id_map, probs, sink: Optional[torch.Tensor]) -> torch.Tensor:
+    """The weighted (or plain) sum of each token's copies: a new tensor, or written into ``sink``."""
+    if sink is None:
+        return torch.ops.moe_grouped.unpermute_rows(y, row_id_map, probs, plan.top_k, plan.permute_backend)
+    torch.ops.moe_grouped.unpermute_rows_into_(y, row_id_map, probs, plan.top_k, plan.permute_backend, sink)
+    return sink.detach()  # a plain tensor to autograd, not a view of the sink's buffer
+
+
+def _gemm_sm_limit(plan: Plan, sinks: Optional[Sinks], device: torch.device):
+    if sinks is None or not sinks.gemm_sms or plan.gemm_backend != "cuda":
+        return contextlib.nullcontext()
+    return _core.gemm_sm_limit(device, sinks.gemm_sms)
+
+
 class FusedExpertsFunction(torch.autograd.Function):
-    """``apply(tokens, probs, row_id_map, m_splits, plan, fc1_delayed, fc2_delayed, *fc1_weights, *fc2_weights)``.
+    """``apply(tokens, probs, row_id_map, m_splits, plan, sinks, fc1_delayed, fc2_delayed, *fc1_weights, *fc2_weights)``.
 
     Routed: tokens [T, H], probs [T, top_k] (differentiable), row_id_map
     [T * top_k] from the permute index; returns the combined [T, H]. Not
     routed: tokens are the permuted rows, probs and row_id_map None; returns
-    the experts' outputs [R, H].
+    the experts' outputs [R, H]. ``sinks``: a :class:`Sinks` (routed only) or None.
     """
 
     @staticmethod
-    def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, fc1_delayed, fc2_delayed, *weights):
+    def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, fc1_delayed, fc2_delayed, *weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
         g, h = _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
         y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
         del h
         if plan.routed:
-            y = torch.ops.moe_grouped.unpermute_rows(y, row_id_map, probs, plan.top_k, plan.permute_backend)
+            y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
         ctx.save_for_backward(tokens, probs, row_id_map, m_splits, g, *weights)
-        ctx.plan, ctx.fc1_delayed, ctx.fc2_delayed = plan, fc1_delayed, fc2_delayed
+        ctx.plan, ctx.sinks, ctx.fc1_delayed, ctx.fc2_delayed = plan, sinks, fc1_delayed, fc2_delayed
         return y
 
     @staticmethod
     def backward(ctx, dout):
         tokens, probs, row_id_map, m_splits, g, *weights = ctx.saved_tensors
         plan: Plan = ctx.plan
+        sinks: Optional[Sinks] = ctx.sinks
         w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
         dtype, gemm = tokens.dtype, plan.gemm_backend
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         needs = ctx.needs_input_grad
+        first_weight = 8  # tokens, probs, row_id_map, m_splits, plan, sinks, fc1_delayed, fc2_delayed
         dy_u = _gather(plan, dout.to(dtype).contiguous(), row_id_map)
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
         # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
@@ -196,22 +232,25 @@ class FusedExpertsFunction(torch.autograd.Function):
         )
         dg = g
         del g
-        fc2_needed = any(needs[7 + plan.num_fc1_weights :])
+        fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
         w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
         del dy_u, wh
-        dx = None
-        if needs[0]:
-            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm)
-            dx = (
-                torch.ops.moe_grouped.unpermute_rows(dxp, row_id_map, None, plan.top_k, plan.permute_backend)
-                if plan.routed else dxp
-            )
-            del dxp
-        fc1_needed = any(needs[7 : 7 + plan.num_fc1_weights])
-        w1_grads = _weight_grads(
-            plan.fc1, ctx.fc1_delayed, fc1_needed, dg, lambda: _gather(plan, tokens, row_id_map), m_splits, w1
-        )
         dprobs = None
         if plan.routed and needs[1]:
             dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
-        return (dx, dprobs, None, None, None, None, None, *w1_grads, *w2_grads)
+        dx = None
+        if needs[0]:
+            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm)
+            if plan.routed:
+                dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
+            else:
+                dx = dxp
+            del dxp
+            if sinks is not None and sinks.on_grad_tokens is not None:
+                sinks.on_grad_tokens(dx, dprobs)
+        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
+        with _gemm_sm_limit(plan, sinks, tokens.device):
+            w1_grads = _weight_grads(
+                plan.fc1, ctx.fc1_delayed, fc1_needed, dg, lambda: _gather(plan, tokens, row_id_map), m_splits, w1
+            )
+        return (dx, dprobs, None, None, None, None, None, None, *w1_grads, *w2_grads)

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import _checks, backends
 from .activation import resolve_weighted_backward_backend, swiglu, weighted_backward_unavailable_reason
-from .experts import FusedExpertsFunction, Plan, check_experts_path
+from .experts import FusedExpertsFunction, Plan, Sinks, check_experts_path
 from .fp8 import get_fp8_recipe
 from .grouped_linear import GroupedLinear
 from .gemm import check_backend_dtype
@@ -129,6 +129,7 @@ class GroupedMLP(nn.Module):
         *,
         zero_unmapped: bool,
         permute_backend: str,
+        sinks: Optional[Sinks] = None,
     ) -> torch.Tensor:
         """The fused path with dispatch and combine: ``unpermute(self(permute(tokens)), probs)``.
 
@@ -137,11 +138,12 @@ class GroupedMLP(nn.Module):
         rows no copy maps to (a capacity was given); ``permute_backend`` runs
         the gathers and the combine. Returns [T, hidden]; differentiable in
         ``tokens``, ``probs`` and the weights. The caller checks
-        :meth:`uses_fused_path` first.
+        :meth:`uses_fused_path` first. ``sinks``: where the expert-parallel
+        layer wants the output and the token gradient (:class:`moe_grouped.experts.Sinks`).
         """
         plan = self._plan(tokens, routed=True, top_k=probs.shape[1], num_rows=num_rows,
                           zero_unmapped=zero_unmapped, permute_backend=permute_backend)
-        return self._fused(tokens, probs, row_id_map, m_splits, plan)
+        return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks)
 
     def _plan(self, x: torch.Tensor, *, routed: bool, permute_backend: str = "", **static) -> Plan:
         gemm = backends.resolve(self.fc1.backend, x.device)
@@ -157,7 +159,7 @@ class GroupedMLP(nn.Module):
             **static,
         )
 
-    def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan) -> torch.Tensor:
+    def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan, sinks: Optional[Sinks] = None) -> torch.Tensor:
         weight = self.fc1.weights()[0]
         if tokens.dtype != weight.dtype:
             raise TypeError(f"x has dtype {tokens.dtype} but the layer's parameters are {weight.dtype}")
@@ -168,7 +170,7 @@ class GroupedMLP(nn.Module):
                     for w in layer.weights():
                         w.grad_added_to_main_grad = True  # backward adds into main_grad, as Megatron expects
         return FusedExpertsFunction.apply(
-            tokens, probs, row_id_map, m_splits, plan, self.fc1._delayed, self.fc2._delayed,
+            tokens, probs, row_id_map, m_splits, plan, sinks, self.fc1._delayed, self.fc2._delayed,
             *self.fc1.weights(), *self.fc2.weights(),
         )
 

@@ -1,24 +1,18 @@
-"""ExpertParallelMoELayer: several gloo processes against one MoELayer holding all experts;
-the receive budget and its overflow counter; refused options; ep_size 1 capture on the GPU."""
-
+"""ExpertParallelMoELayer: the routing plan and the transports' layouts; several gloo processes
+against one MoELayer holding all experts; the receive budget and its overflow counter; refused
+options; ep_size 1 capture on the GPU."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import moe_grouped
+import moe_grouped.parallel
 from moe_grouped import MoELayer
 from moe_grouped.parallel import CapacityOverflowError, ExpertParallelMoELayer, SymmMemTransport
-from moe_grouped.parallel.layer import plan_sends
-from moe_grouped._tensors import gather_rows
-from moe_grouped.parallel.transport import (
-    LocalTransport,
-    bin_layout,
-    buffer_order,
-    expert_bins,
-    receive_index,
-    return_index,
-)
+from moe_grouped.parallel.layer import kept_experts
+from moe_grouped.parallel.plan import decode_routes, encode_routes, plan_torch
+from moe_grouped.parallel.transport import AllToAllTransport, PaddedAllToAllTransport
 
 from cases import assert_captured_safely, calc_diff, layer_train_step, reset_grads
 from process_groups import spawn_group
@@ -38,144 +32,76 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------ the send plan (no processes)
-def send_plan_by_loops(experts, row_id_map, ep_size, ne, budget):
-    """Each destination keeps the first ``budget`` copies in (expert, token) order."""
-    order = sorted(
-        (c for c in range(len(experts)) if row_id_map[c] >= 0), key=lambda c: (experts[c], c)
-    )
-    send_map, in_splits, taken, dropped = [-1] * len(experts), [0] * (ep_size * ne), [0] * ep_size, 0
-    position = 0
-    for c in order:
-        rank = experts[c] // ne
-        if taken[rank] < budget:
-            taken[rank] += 1
-            in_splits[experts[c]] += 1
-            send_map[c] = position
-            position += 1
-        else:
-            dropped += 1
-    return send_map, in_splits, dropped
+# ------------------------------------------------------------------ the routing plan (no processes)
+def plan_by_loops(experts, ne, ep, segment_rows):
+    """Each token once to every rank owning one of its experts, in token order, at most S rows a rank."""
+    pos = [[-1] * ep for _ in experts]
+    index = [[-1] * segment_rows for _ in range(ep)]
+    counts = [0] * ep
+    for t, chosen in enumerate(experts):
+        for d in sorted({e // ne for e in chosen if 0 <= e < ne * ep}):
+            if counts[d] < segment_rows:
+                pos[t][d] = counts[d]
+                index[d][counts[d]] = t
+                counts[d] += 1
+    return pos, index, counts
+
+
+@pytest.mark.parametrize("ep,ne,top_k", [(1, 8, 2), (2, 4, 2), (3, 2, 3), (4, 32, 8), (8, 2, 6), (16, 1, 4)])
+@pytest.mark.parametrize("pattern", ["random", "one_rank", "dropped", "empty_rank"])
+@pytest.mark.parametrize("segment", ["all", "tight"])
+def test_plan_sends_each_token_once_to_each_rank_owning_one_of_its_experts(ep, ne, top_k, pattern, segment):
+    generator = torch.Generator().manual_seed(ep * 100 + ne)
+    tokens = 37
+    experts = torch.stack([torch.randperm(ep * ne, generator=generator)[:top_k] for _ in range(tokens)])
+    if pattern == "one_rank":
+        experts = experts % ne + (ep - 1) * ne
+    elif pattern == "dropped":  # copies dropped upstream arrive as -1
+        experts[torch.rand(experts.shape, generator=generator) < 0.4] = -1
+    elif pattern == "empty_rank" and ep > 1:
+        experts = torch.where(experts // ne == 0, -1, experts)
+    segment_rows = tokens if segment == "all" else max(tokens // 3, 1)
+    plan = plan_torch(experts, ne, ep, segment_rows)
+    pos, index, counts = plan_by_loops(experts.tolist(), ne, ep, segment_rows)
+    case = f"{ep=} {ne=} {top_k=} {pattern=} {segment=}"
+    assert plan.pos.dtype == plan.index.dtype == plan.counts.dtype == torch.int32, case
+    assert plan.pos.tolist() == pos, case
+    assert plan.index.tolist() == index, case
+    assert plan.counts.tolist() == counts, case
 
 
 @pytest.mark.parametrize("budget", [0, 1, 3, 7, 100])
 @pytest.mark.parametrize("ep_size", [1, 2, 4])
-def test_send_plan_keeps_the_first_copies_per_destination_up_to_the_budget(ep_size, budget):
-    num_experts = 8
+def test_budget_keeps_the_first_copies_per_destination_in_expert_token_order(ep_size, budget):
     generator = torch.Generator().manual_seed(budget + 10 * ep_size)
-    for capacity in (-1, 3):
-        experts = torch.randint(0, num_experts, (20, 2), generator=generator)
-        experts[:4] = 1  # a crowded expert
-        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
-            experts, None, num_experts, capacity, False, "reference"
-        )
-        flat = experts.reshape(-1)
-        send_map, in_splits, dropped = plan_sends(row_id_map, flat, m_splits, ep_size, budget)
-        want = send_plan_by_loops(flat.tolist(), row_id_map.tolist(), ep_size, num_experts // ep_size, budget)
-        case = f"{ep_size=} {budget=} {capacity=}"
-        assert send_map.tolist() == want[0], case
-        assert in_splits.tolist() == want[1], case
-        assert int(dropped) == want[2], case
-        # Padded: the same copies, rank r's at rows r * budget onwards in the same order.
-        padded_map, padded_splits, padded_dropped = plan_sends(row_id_map, flat, m_splits, ep_size, budget, True)
-        ne = num_experts // ep_size
-        kept_before = [sum(want[1][: r * ne]) for r in range(ep_size)]
-        want_padded = [
-            -1 if row < 0 else int(flat[c]) // ne * budget + row - kept_before[int(flat[c]) // ne]
-            for c, row in enumerate(want[0])
-        ]
-        assert padded_map.tolist() == want_padded, case
-        assert padded_splits.tolist() == want[1] and int(padded_dropped) == want[2], case
+    experts = torch.stack([torch.randperm(EXPERTS, generator=generator)[:TOP_K] for _ in range(TOKENS)])
+    row_id_map, m_splits = torch.ops.moe_grouped.permute_index(experts, None, EXPERTS, 2, False, "reference")
+    kept, dropped = kept_experts(experts, row_id_map, m_splits, ep_size, budget)
+    flat, rows = experts.reshape(-1).tolist(), row_id_map.tolist()
+    ne = EXPERTS // ep_size
+    order = sorted((c for c in range(len(flat)) if rows[c] >= 0), key=lambda c: (flat[c], c))
+    taken, want, want_dropped = [0] * ep_size, [-1] * len(flat), 0
+    for c in order:
+        if taken[flat[c] // ne] < budget:
+            taken[flat[c] // ne] += 1
+            want[c] = flat[c]
+        else:
+            want_dropped += 1
+    assert kept.reshape(-1).tolist() == want
+    assert int(dropped) == want_dropped
 
 
-# ------------------------------------------------------------------ symm_mem's bins (no processes)
-@pytest.mark.parametrize("ne", range(1, 130))
-def test_expert_bins_cover_the_experts_in_at_most_16_bins(ne):
-    bins, per_bin = expert_bins(ne)
-    assert bins <= 16 and bins * per_bin >= ne > (bins - 1) * per_bin, (ne, bins, per_bin)
-    assert per_bin == 1 or ne > 16
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_routes_travel_with_experts_and_weights_and_zero_rows_decode_to_no_copy(dtype):
+    experts = torch.tensor([[0, 5], [7, -1], [3, 2]])
+    weights = torch.tensor([[0.25, 0.75], [1.0, 0.0], [0.5, 0.5]], dtype=dtype)
+    routes = encode_routes(experts, weights)
+    routes = torch.cat([routes, torch.zeros_like(routes[:1])])
+    local, got = decode_routes(routes, 2, first_expert=4, num_local_experts=4, dtype=dtype)
+    assert local.tolist() == [[-1, 1], [3, -1], [-1, -1], [-1, -1]]
+    assert torch.equal(got[:3], weights) and not got[3].any()
 
 
-def vdev_2d_dispatch(sends, splits, ep, ne, bins, per_bin, capacity):
-    """What torch's all_to_all_vdev_2d leaves on each rank when every rank sends per (rank, bin):
-    chunks bin-major, then by source (each a contiguous run of the source's rank-major send
-    buffer), an empty bin still taking one row; stale rows are NaN. Also each rank's layout."""
-    buffers, layouts = [], []
-    for r in range(ep):
-        rows, chunk_rows, chunk_starts = [], [], []
-        for b in range(bins):
-            first_expert, last_expert = b * per_bin, min((b + 1) * per_bin, ne)
-            bin_start = len(rows)
-            for s in range(ep):
-                first = int(splits[s][: r * ne + first_expert].sum())
-                n = int(splits[s][r * ne + first_expert : r * ne + last_expert].sum())
-                chunk_rows.append(n)
-                chunk_starts.append(len(rows))
-                rows += list(sends[s][first : first + n])
-            if len(rows) == bin_start:
-                rows.append(torch.full_like(sends[0][0], float("nan")))
-        rows += [torch.full_like(sends[0][0], float("nan"))] * (capacity + bins - len(rows))
-        buffers.append(torch.stack(rows))
-        layouts.append(torch.tensor([chunk_rows, chunk_starts]))
-    return buffers, layouts
-
-
-def vdev_2d_combine(buffers, layouts, ep):
-    """torch's all_to_all_vdev_2d_offset with those layouts: each source gets back, rank-major,
-    every (rank, bin) chunk it sent."""
-    back = []
-    for s in range(ep):
-        rows = []
-        for r in range(ep):
-            chunk_rows, chunk_starts = layouts[r].view(2, -1, ep)
-            for b in range(chunk_rows.shape[0]):
-                start, n = int(chunk_starts[b, s]), int(chunk_rows[b, s])
-                rows.append(buffers[r][start : start + n])
-        back.append(torch.cat(rows))
-    return back
-
-
-@pytest.mark.parametrize("ep", [2, 3])
-@pytest.mark.parametrize("ne", [1, 4, 16, 17, 20, 64])
-def test_symm_mem_reorder_turns_torchs_bin_layout_into_packed_expert_major_and_back(ep, ne):
-    bins, per_bin = expert_bins(ne)
-    generator = torch.Generator().manual_seed(ep * 100 + ne)
-    capacity = 6 * ep * ne
-    splits = []
-    for s in range(ep):
-        counts = torch.randint(0, 6, (ep * ne,), generator=generator)
-        counts[torch.rand(ep * ne, generator=generator) < 0.4] = 0  # empty experts, and empty bins
-        if s == 0:
-            counts[: ne] = 0  # rank 0's experts get nothing from rank 0
-        splits.append(counts)
-    sends = [torch.randn(int(c.sum()) + 3, 8, generator=generator) for c in splits]
-    buffers, layouts = vdev_2d_dispatch(sends, splits, ep, ne, bins, per_bin, capacity)
-    returned = []
-    for r in range(ep):
-        counts = torch.stack([splits[s].view(ep, ne)[r] for s in range(ep)], dim=1)  # [ne, ep]
-        assert torch.equal(bin_layout(counts, bins, per_bin), layouts[r]), f"rank {r}: torch's layout"
-        gather = receive_index(counts, bins, per_bin, capacity)
-        recv = gather_rows(buffers[r], gather)
-        want = [
-            sends[s][int(splits[s][: r * ne + e].sum()) :][: int(counts[e, s])] for e in range(ne) for s in range(ep)
-        ]
-        want = torch.cat(want)
-        total = want.shape[0]
-        assert torch.equal(recv[:total], want), f"rank {r}: rows not packed expert-major"
-        assert not recv[total:].any(), f"rank {r}: rows past the total are not zero"
-        back = return_index(counts, bins, per_bin, capacity + bins, buffer_order(ne, ep, bins, per_bin))
-        inside = gather >= 0
-        assert torch.equal(back[gather[inside]], torch.arange(capacity)[inside]), f"rank {r}: not inverse"
-        assert int((back >= 0).sum()) == total
-        y = recv * 2 + 1  # what the experts return, in recv's layout
-        returned.append(y.index_select(0, back.clamp(min=0)))
-    combined = vdev_2d_combine(returned, layouts, ep)
-    for s in range(ep):
-        sent = sends[s][: int(splits[s].sum())]
-        assert torch.equal(combined[s], sent * 2 + 1), f"rank {s}: the combine did not return its rows"
-
-
-# ------------------------------------------------------------------ several gloo processes
 def gradient(param):
     """What backward left for ``param``: ``main_grad`` with fused accumulation, else ``grad``."""
     return param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
@@ -261,18 +187,22 @@ def check_overflow_rule(rank, world):
     ).load_from(ref)
     x = torch.randn(TOKENS, HIDDEN, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
     out = ep(x)
-    # Expected: every copy kept by the plan, through the full layer's experts, weighted.
+    # Expected: every copy the budget keeps, through the full layer's experts, weighted.
     routing = ep.last_routing
-    flat = routing.experts.reshape(-1)
-    row_id_map, m_splits = torch.ops.moe_grouped.permute_index(routing.experts, None, EXPERTS, -1, False, "reference")
-    want_map, _, dropped = send_plan_by_loops(flat.tolist(), row_id_map.tolist(), world, EXPERTS // world, budget)
+    flat = routing.experts.reshape(-1).tolist()
+    ne = EXPERTS // world
+    taken, kept, dropped = [0] * world, [], 0
+    for copy in sorted(range(len(flat)), key=lambda c: (flat[c], c)):
+        if taken[flat[copy] // ne] < budget:
+            taken[flat[copy] // ne] += 1
+            kept.append(copy)
+        else:
+            dropped += 1
     assert dropped > 0, "the test needs some copies past the budget"
     want = torch.zeros_like(out)
     with torch.no_grad():
-        for copy, row in enumerate(want_map):
-            if row < 0:
-                continue
-            t, e = divmod(copy, TOP_K)[0], int(flat[copy])
+        for copy in kept:
+            t, e = copy // TOP_K, flat[copy]
             one_hot = [1 if i == e else 0 for i in range(EXPERTS)]
             want[t] += routing.weights.reshape(-1)[copy] * ref.experts(x[t : t + 1], one_hot)[0]
     torch.testing.assert_close(out.detach(), want, rtol=1e-10, atol=1e-12)
@@ -313,6 +243,40 @@ def check_padded_equals_all_to_all(rank, world):
             assert same, f"{rank=} {capacity=}: result {i} differs between the transports"
 
 
+def check_transport_layouts(rank, world):
+    """dispatch and combine of the host-split and the padded transports, row by row, against loops
+    over every rank's plan (rows carry their source and token in their value)."""
+    ne, top_k, segment_rows = 3, 2, 12
+    generator = torch.Generator().manual_seed(50 + rank)
+    tokens = 7 + rank
+    experts = torch.randint(0, ne * world, (tokens, top_k), generator=generator)
+    experts[torch.rand(experts.shape, generator=generator) < 0.2] = -1
+    plan = plan_torch(experts, ne, world, segment_rows)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, experts.tolist())
+    rows = (rank * 1000 + torch.arange(tokens, dtype=torch.float64)).unsqueeze(1).repeat(1, 4)
+    extra = torch.stack([torch.arange(tokens), -torch.arange(tokens)], 1).to(torch.int32) + rank * 100
+    for transport in (AllToAllTransport(None, world, segment_rows), PaddedAllToAllTransport(None, world, segment_rows)):
+        out, out_extra = transport.dispatch(rows, extra, plan)
+        assert out.shape == (world * segment_rows, 4) and out_extra.shape == (world * segment_rows, 2)
+        for s in range(world):
+            _, index, _ = plan_by_loops(everyone[s], ne, world, segment_rows)
+            for p, t in enumerate(index[rank]):
+                value = s * 1000 + t if t >= 0 else 0
+                assert out[s * segment_rows + p].tolist() == [value] * 4, (transport.name, rank, s, p)
+                want_extra = [t + s * 100, -t + s * 100] if t >= 0 else [0, 0]
+                assert out_extra[s * segment_rows + p].tolist() == want_extra, (transport.name, rank, s, p)
+        # Rank d returns each received row times (d + 1): token t gets its value times the sum of d + 1
+        # over the ranks it went to.
+        back, back_extra = transport.combine(out * (rank + 1), out[:, :2].to(torch.float32), plan)
+        pos, _, _ = plan_by_loops(experts.tolist(), ne, world, segment_rows)
+        for t in range(tokens):
+            ranks = [d for d in range(world) if pos[t][d] >= 0]
+            value = rank * 1000 + t
+            assert back[t].tolist() == [value * sum(d + 1 for d in ranks)] * 4, (transport.name, rank, t)
+            assert back_extra[t].tolist() == [float(value * len(ranks))] * 2, (transport.name, rank, t)
+
+
 def check_refusals(rank, world):
     with pytest.raises(ValueError, match=f"multiple of the group's {world} ranks"):
         ExpertParallelMoELayer(HIDDEN, FFN, world * 2 + 1, TOP_K)
@@ -336,6 +300,8 @@ def worker(rank, init_method, world, cases):
                 check_overflow_rule(rank, world)
             elif case == "padded":
                 check_padded_equals_all_to_all(rank, world)
+            elif case == "layouts":
+                check_transport_layouts(rank, world)
             else:
                 check_against_reference(rank, world, *case)
     finally:
@@ -350,6 +316,7 @@ CASES = [
     (torch.bfloat16, dict(shared_expert_ffn_hidden=8), 2e-3),
     (torch.float32, dict(capacity_factor=0.75, bias=True, aux_loss_coeff=0.01), 0, "padded_all_to_all"),
     "padded",
+    "layouts",
     "overflow",
     "refusals",
 ]
@@ -409,57 +376,6 @@ def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group):
         assert torch.equal(a, b), f"tensor {i} differs"
 
 
-class GappedLocalTransport(LocalTransport):
-    """One rank whose dispatch leaves a (zero) row for an expert that receives nothing, as torch's
-    all_to_all_vdev_2d does: the layer must take the layout's offsets, not assume packed chunks."""
-
-    def recv_rows(self, capacity):
-        return capacity + self.num_local_experts
-
-    def _targets(self, in_splits):
-        spans = in_splits.clamp(min=1)
-        offsets = spans.cumsum(0) - spans
-        packed = in_splits.cumsum(0) - in_splits
-        expert = torch.repeat_interleave(torch.arange(in_splits.shape[0]), in_splits)
-        rows = torch.arange(expert.shape[0])
-        return offsets[expert] + rows - packed[expert], torch.stack([in_splits, offsets])
-
-    def dispatch(self, send, in_splits, recv_rows):
-        targets, layout = self._targets(in_splits)
-        recv = send.new_zeros((recv_rows, send.shape[1]))
-        recv[targets] = send[: targets.shape[0]]
-        return recv, layout
-
-    def combine(self, y, layout, in_splits, send_rows):
-        targets, _ = self._targets(in_splits)
-        back = y.new_zeros(send_rows, y.shape[1])
-        back[: targets.shape[0]] = y[targets]
-        return back
-
-
-def test_layer_takes_a_dispatch_layout_with_a_row_for_each_empty_expert(one_rank_group):
-    torch.manual_seed(4)
-    ref = MoELayer(HIDDEN, FFN, EXPERTS, TOP_K, bias=True, backend="reference")
-    ep = ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, bias=True, backend="reference").load_from(ref)
-    x = torch.randn(3, HIDDEN)  # 6 copies over 8 experts: some receive nothing
-    ep(x)  # sets the layer up; then the transport is swapped for the gapped one
-    ep.transport = GappedLocalTransport(None, 1, EXPERTS)
-    ep.recv_rows = ep.transport.recv_rows(ep.capacity)
-    results = []
-    for layer in (ref, ep):
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_(True)
-        out = layer(xi)
-        out.backward(torch.ones_like(out))
-        results.append((out.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}))
-    assert int((ep.last_routing.tokens_per_expert == 0).sum()) > 0, "the test needs an empty expert"
-    (out_ref, dx_ref, grads_ref), (out, dx, grads) = results
-    torch.testing.assert_close(out, out_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dx, dx_ref, rtol=1e-6, atol=1e-6)
-    for name, grad in grads_ref.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
-
-
 def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="pad_to_capacity is not supported under expert parallelism"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, pad_to_capacity=True)
@@ -470,9 +386,15 @@ def test_options_that_do_not_fit_expert_parallelism_are_refused(one_rank_group):
     with pytest.raises(ValueError, match="drop_policy must be one of"):
         ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, TOP_K, capacity_factor=1.0, drop_policy="random")
     with pytest.raises(ValueError, match="symm_mem transport needs at least 2 ranks"):
-        SymmMemTransport(one_rank_group, 1, 4, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
-    with pytest.raises(ValueError, match="at most 16 ranks, got ep_size=17"):
-        SymmMemTransport(one_rank_group, 17, 4, max_send_rows=8, capacity=8, hidden=4, dtype=torch.float32, device="cpu")
+        SymmMemTransport(one_rank_group, 1, 4, max_tokens=8, row_bytes=16, extra_bytes=16, device="cpu")
+    with pytest.raises(ValueError, match="runs on CUDA devices"):
+        SymmMemTransport(one_rank_group, 2, 4, max_tokens=8, row_bytes=16, extra_bytes=16, device="cpu")
+    with pytest.raises(RuntimeError, match="the peer transport cannot run"):
+        moe_grouped.parallel.PeerTransport(
+            one_rank_group, 1, 4, max_tokens=8, hidden=8, dtype=torch.float32, top_k=2, device="cpu"
+        )
+    with pytest.raises(ValueError, match="top_k must be an int in"):
+        ExpertParallelMoELayer(HIDDEN, FFN, EXPERTS, EXPERTS + 1)
 
 
 def test_layer_needs_an_initialised_process_group():

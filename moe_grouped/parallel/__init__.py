@@ -1,33 +1,39 @@
 """Expert parallelism: an MoE layer whose experts are spread over a process group.
 
-:class:`ExpertParallelMoELayer` sends each token copy to the rank that owns
-its expert (dispatch), runs the local experts' grouped GEMMs on what arrived,
-and sends the results back (combine). The tokens per (rank, expert) stay on
-the device with the ``symm_mem`` and ``local`` transports, so the whole layer
-step can be captured in a CUDA graph; ``all_to_all`` is the host-split
-reference (CPU/gloo and NCCL, not capturable). See :mod:`.transport`.
+:class:`ExpertParallelMoELayer` sends each token once to every rank that
+owns one of its experts (dispatch), runs the local experts on what arrived,
+and brings back each rank's weighted sum of the token's copies (combine).
+The routes stay on the device with every transport but ``all_to_all``, so
+the whole layer step can be captured in a CUDA graph; ``peer``, the core's
+kernels over symmetric memory within a node, is the default on GPUs that
+run it. See :mod:`.transport` and :mod:`.peer`.
 """
 
 from __future__ import annotations
 
-from .layer import ExpertParallelMoELayer
+from .layer import ExpertParallelMoELayer, resolve_transport
+from .peer import PeerTransport, peer_unavailable_reason
+from .plan import RoutePlan, make_plan
 from .transport import (
     TRANSPORTS,
     AllToAllTransport,
     CapacityOverflowError,
-    LocalTransport,
+    PaddedAllToAllTransport,
     SymmMemTransport,
     Transport,
-    make_transport,
 )
 
 __all__ = [
     "ExpertParallelMoELayer",
     "Transport",
-    "AllToAllTransport",
+    "PeerTransport",
     "SymmMemTransport",
-    "LocalTransport",
-    "make_transport",
+    "PaddedAllToAllTransport",
+    "AllToAllTransport",
+    "RoutePlan",
+    "make_plan",
+    "resolve_transport",
+    "peer_unavailable_reason",
     "TRANSPORTS",
     "CapacityOverflowError",
 ]

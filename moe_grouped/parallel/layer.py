@@ -2,64 +2,89 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..permute import _check_dtype, check_drop_options, expert_capacity, resolve_backend, unpermute
+from ..experts import Sinks
 from ..mlp import GroupedMLP, SwiGLUMLP
 from ..moe_layer import MoELayer, _AttachAuxLoss
+from ..permute import _check_dtype, check_drop_options, expert_capacity, resolve_backend
 from ..router import Router, RoutingOutput
+from .peer import PeerTransport, peer_unavailable_reason
+from .plan import RoutePlan, decode_routes, encode_routes, make_plan
 from .transport import (
+    TRANSPORTS,
+    AllToAllTransport,
     CapacityOverflowError,
     CombineFunction,
     DispatchFunction,
+    PaddedAllToAllTransport,
+    SymmMemTransport,
     Transport,
-    local_expert_splits,
-    make_transport,
-    resolve_transport,
 )
 
 
-def plan_sends(
-    row_id_map: torch.Tensor,
-    experts: torch.Tensor,
-    m_splits: torch.Tensor,
-    ep_size: int,
-    budget: int,
-    padded: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each token copy goes in the send buffer, on the device.
+def resolve_transport(name: str, ep_size: int, device: torch.device) -> str:
+    """The transport ``name`` stands for. ``auto``: ``local`` for one rank; else ``peer`` where the
+    core's kernels run on ``device``; else ``all_to_all``."""
+    if name not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+    if name == "local" and ep_size != 1:
+        raise ValueError(f"transport='local' serves a group of one rank, got ep_size={ep_size}")
+    if ep_size == 1 and name in ("auto", "local"):
+        return "local"
+    if name != "auto":
+        return name
+    if peer_unavailable_reason(torch.device(device)) is None:
+        return "peer"
+    return "all_to_all"
 
-    ``row_id_map`` [T * k] and ``m_splits`` [E] come from
-    ``permute_index`` (copies sorted by global expert, so rank-major since
-    rank r owns experts ``r * ne ..``); ``experts`` [T * k] are the copies'
-    global experts. Each destination rank takes at most ``budget`` of this
-    rank's copies, the first in that order; the others are dropped.
 
-    Returns ``(send_map, in_splits, dropped)``: ``send_map`` [T * k] the row
-    of each copy in the send buffer (-1: dropped by the capacity factor or
-    past the budget), ``in_splits`` [ep * ne] the rows per (rank, local
-    expert), ``dropped`` the number of copies past the budget (0-d). The send
-    buffer is packed, or with ``padded`` has ``ep * budget`` rows, the rows
-    for rank r from row ``r * budget``.
+def kept_experts(routing_experts: torch.Tensor, row_id_map: torch.Tensor, m_splits: torch.Tensor,
+                 ep_size: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts of the copies that travel (-1: dropped) and how many were dropped for lack of room.
+
+    ``row_id_map`` [T * k] and ``m_splits`` [E] from ``permute_index`` over the
+    global experts (-1: dropped by the capacity factor). Each destination rank
+    takes at most ``budget`` of this rank's copies, the first in (expert,
+    token) order; the others are dropped and counted.
     """
+    experts = routing_experts.reshape(-1).to(torch.int64)
     counts = m_splits.view(ep_size, -1)
-    rank_total = counts.sum(1)
-    kept = rank_total.clamp(max=budget)
-    rank_start = rank_total.cumsum(0) - rank_total
-    if padded:
-        send_start = torch.arange(ep_size, device=counts.device) * budget
-    else:
-        send_start = kept.cumsum(0) - kept
-    start_in_rank = counts.cumsum(1) - counts
-    in_splits = torch.minimum((budget - start_in_rank).clamp(min=0), counts).reshape(-1)
-    rank = experts // counts.shape[1]
-    position = row_id_map - rank_start[rank]
-    send_map = torch.where((row_id_map >= 0) & (position < budget), send_start[rank] + position, -1)
-    return send_map, in_splits, (rank_total - kept).sum()
+    rank_start = counts.sum(1).cumsum(0) - counts.sum(1)
+    owner = experts.div(counts.shape[1], rounding_mode="floor").clamp(0, ep_size - 1)
+    routed = row_id_map >= 0
+    fits = (row_id_map - rank_start[owner]) < budget
+    kept = torch.where(routed & fits, experts, -1)
+    return kept.view(routing_experts.shape), (routed & ~fits).sum()
+
+
+_TRANSPORTS: dict[tuple, Transport] = {}
+
+
+def shared_transport(name: str, group: dist.ProcessGroup, ep_size: int, segment_rows: int, **options) -> Transport:
+    """One transport per (kind, group, sizes): layers of equal sizes share their buffers (safe: each
+    call of a transport waits for every rank to have finished the one before)."""
+    key = (name, group.group_name if group is not None else None, ep_size, segment_rows,
+           tuple(sorted((k, str(v)) for k, v in options.items())))
+    transport = _TRANSPORTS.get(key)
+    if transport is None:
+        if name == "peer":
+            transport = PeerTransport(group, ep_size, segment_rows, **options)
+        elif name == "symm_mem":
+            transport = SymmMemTransport(group, ep_size, segment_rows, **options)
+        elif name == "padded_all_to_all":
+            transport = PaddedAllToAllTransport(group, ep_size, segment_rows)
+        elif name == "all_to_all":
+            transport = AllToAllTransport(group, ep_size, segment_rows)
+        else:
+            raise ValueError(f"no transport named {name!r}")
+        _TRANSPORTS[key] = transport
+    return transport
 
 
 def _per_expert(params, rank: int) -> list[torch.Tensor]:
@@ -72,65 +97,67 @@ class ExpertParallelMoELayer(nn.Module):
 
     Rank r of ``group`` (``ep_size`` ranks) holds experts ``r * ne`` to
     ``r * ne + ne - 1`` (``ne = num_experts // ep_size``) as a
-    :class:`GroupedMLP`. ``forward(x)`` routes this rank's tokens, sends each
-    token copy to the rank owning its expert (dispatch), runs the local
-    experts on the rows that arrived, sends the results back (combine) and sums
-    them with the routing weights. Every rank must call ``forward`` (and
-    backward) the same number of times in the same order.
+    :class:`GroupedMLP`. ``forward(x)`` routes this rank's tokens and sends
+    each token once to every rank that owns one of its experts, with its
+    routing (dispatch); each rank runs its experts on the tokens it received
+    and sends back, for each, the sum of its copies' outputs weighted by the
+    routing weights (one row however many of the token's experts it holds);
+    the token's rank adds the rows up in float32 in rank order (combine).
+    Every rank must call ``forward`` (and backward) the same number of times
+    in the same order.
 
     The router and the shared expert are replicated: construct them with the
     same weights on every rank (e.g. with :meth:`load_from` or a broadcast),
     and all-reduce their gradients over the data-parallel ranks as usual —
     this layer does not. The expert weights' gradients are complete on their
-    owner (they sum the copies of every rank). Each rank's output equals
-    :class:`MoELayer` holding all experts run on that rank's tokens; with a
-    ``capacity_factor`` each rank drops per expert among its own tokens, and
-    the router losses are those of the rank's own tokens.
+    owner. Each rank's output equals :class:`MoELayer` holding all experts run
+    on that rank's tokens, up to rounding: each rank's weighted sum is
+    rounded to the layer's dtype once before the ranks' sums are added.
 
-    Transports (see :mod:`moe_grouped.parallel.transport`):
-    ``"symm_mem"`` (NVSHMEM symmetric memory; CUDA; capturable),
-    ``"padded_all_to_all"`` (fixed-size chunks of ``capacity // ep_size``
-    rows; NCCL or gloo; capturable with NCCL; moves ``capacity`` rows each
-    way, so give it a capacity near the expected load),
-    ``"all_to_all"`` (host-read counts; NCCL or gloo; not capturable),
-    ``"local"`` (one rank; capturable), ``"auto"`` (``local`` for one rank,
-    else ``symm_mem`` where NVSHMEM loads and the group fits its kernels —
-    at most 16 ranks — else ``all_to_all``).
+    Transports (see :mod:`moe_grouped.parallel.transport`): ``"peer"`` (the
+    core's kernels over symmetric memory within a node; capturable; the
+    default where it runs), ``"symm_mem"`` (torch's NVSHMEM all-to-all;
+    capturable), ``"padded_all_to_all"`` (fixed-size NCCL chunks;
+    capturable), ``"all_to_all"`` (host-read counts; NCCL or gloo; not
+    capturable), ``"local"`` (one rank), ``"auto"``.
 
-    Capacity: each rank receives into a buffer of ``capacity`` rows; each
-    source rank sends at most ``capacity // ep_size`` copies to one rank per
-    forward, the first ones in (expert, token) order. Copies past that are
-    dropped like capacity-factor drops (they add 0 to the output) and counted
-    on the device; :meth:`check_overflow` raises
-    :class:`CapacityOverflowError` if any were, and every eager forward
-    checks the previous ones when a capacity was set. The default capacity is
-    the worst case, ``ep_size * max_tokens * top_k`` (every copy of every
-    rank to one rank), which never drops. Buffers are sized once, on the first
-    forward (outside capture), from ``max_tokens`` or that forward's tokens,
-    the largest over the group (the ranks agree on it, and ``capacity`` must
-    be the same on every rank); a later forward with more tokens is refused.
-    The received rows, and so the experts' activations, are sized by the
-    capacity: the default holds ``ep_size`` times the average load, so a
-    smaller capacity trades memory (and, with ``symm_mem``, symmetric memory
-    per layer) for a risk of drops.
+    Capacity: each rank's experts take at most ``capacity`` token copies per
+    forward (their activations are sized by it); each source rank sends one
+    rank at most ``capacity // ep_size`` copies, the first ones in (expert,
+    token) order. Copies past that are dropped like capacity-factor drops
+    (they add 0 to the output), counted on the device, and reported by
+    :meth:`check_overflow` (:class:`CapacityOverflowError`), which every
+    eager forward runs when a capacity was set. The default,
+    ``ep_size * max_tokens * top_k`` (every copy of every rank to one rank),
+    never drops. Buffers are sized once, on the first forward (outside
+    capture), from ``max_tokens`` or that forward's tokens, the largest over
+    the group (``capacity`` must be the same on every rank); a later forward
+    with more tokens is refused.
+
+    Overlap (``peer``): in backward, the combine of the input gradient runs on
+    a side stream with ``overlap_sms`` CTAs beside the experts' fc1 weight
+    gradient, whose GEMM then takes the device's other SMs.
 
     Args:
         hidden, ffn_hidden, num_experts, top_k: as :class:`MoELayer`;
             ``num_experts`` must be a multiple of the group's size.
         group: the expert-parallel process group (default: the world).
-        transport: ``"auto"``, ``"symm_mem"``, ``"padded_all_to_all"``, ``"all_to_all"`` or ``"local"``.
-        capacity: rows of each rank's receive buffer (see above), >= ep_size;
-            the same on every rank.
+        transport: ``"auto"``, ``"peer"``, ``"symm_mem"``, ``"padded_all_to_all"``,
+            ``"all_to_all"`` or ``"local"``.
+        capacity: token copies each rank's experts take per forward (see
+            above), >= ep_size; the same on every rank.
         max_tokens: the most tokens one forward takes on this rank (sizes
             the buffers); default: the first forward's; the group's largest.
+        num_sms, overlap_sms: CTAs of the ``peer`` transport's calls (default:
+            all SMs) and of the combine it overlaps (default 16; 0: no overlap).
         router_options, shared_expert_ffn_hidden, aux_loss_coeff,
             z_loss_coeff, capacity_factor, drop_policy, bias,
             single_grouped_weight, fuse_wgrad_accumulation,
             delay_wgrad_compute, dtype, device, backend: as
             :class:`MoELayer`. FP8 experts: run under
             :func:`moe_grouped.fp8.fp8_autocast`.
-        pad_to_capacity: refused (the received rows per expert vary by
-            source, so they cannot be padded to a fixed split).
+        pad_to_capacity: refused (the rows an expert receives come from
+            every rank, so they cannot be padded to a fixed split).
     """
 
     def __init__(
@@ -144,6 +171,8 @@ class ExpertParallelMoELayer(nn.Module):
         transport: str = "auto",
         capacity: Optional[int] = None,
         max_tokens: Optional[int] = None,
+        num_sms: Optional[int] = None,
+        overlap_sms: int = 16,
         router_options: Optional[dict[str, Any]] = None,
         shared_expert_ffn_hidden: Optional[int] = None,
         aux_loss_coeff: float = 0.0,
@@ -181,13 +210,17 @@ class ExpertParallelMoELayer(nn.Module):
             raise ValueError(
                 f"num_experts must be a positive multiple of the group's {self.ep_size} ranks, got {num_experts!r}"
             )
-        for name, value in (("capacity", capacity), ("max_tokens", max_tokens)):
+        if not isinstance(top_k, int) or not 1 <= top_k <= min(num_experts, 32):
+            raise ValueError(f"top_k must be an int in [1, min(num_experts, 32)], got {top_k!r}")
+        for name, value in (("capacity", capacity), ("max_tokens", max_tokens), ("num_sms", num_sms)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if not isinstance(overlap_sms, int) or isinstance(overlap_sms, bool) or overlap_sms < 0:
+            raise ValueError(f"overlap_sms must be a non-negative int (0: no overlap), got {overlap_sms!r}")
         if capacity is not None and capacity < self.ep_size:
             raise ValueError(
                 f"capacity must be at least ep_size={self.ep_size} (each source gets capacity // ep_size "
-                f"rows), got {capacity}"
+                f"copies), got {capacity}"
             )
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
@@ -197,6 +230,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
         self.backend = backend
         self.user_capacity, self.max_tokens = capacity, max_tokens
+        self.num_sms, self.overlap_sms = num_sms, overlap_sms
         self.router = Router(hidden, num_experts, top_k, dtype=dtype, device=device, **(router_options or {}))
         self.experts = GroupedMLP(
             self.num_local_experts, hidden, ffn_hidden, bias=bias, single_grouped_weight=single_grouped_weight,
@@ -210,7 +244,7 @@ class ExpertParallelMoELayer(nn.Module):
         self.register_buffer("overflow_count", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self.transport: Optional[Transport] = None
         self.capacity: Optional[int] = None
-        self.recv_rows: Optional[int] = None
+        self.segment_rows: Optional[int] = None
         self.last_routing: Optional[RoutingOutput] = None
 
     # ------------------------------------------------------------------ set-up
@@ -246,7 +280,7 @@ class ExpertParallelMoELayer(nn.Module):
 
     def _ensure_transport(self, tokens: torch.Tensor) -> None:
         num_tokens = tokens.shape[0]
-        if self.transport is not None:
+        if self.capacity is not None:
             if num_tokens > self.max_tokens:
                 raise ValueError(
                     f"this forward has {num_tokens} tokens but the layer's buffers were sized for "
@@ -268,24 +302,26 @@ class ExpertParallelMoELayer(nn.Module):
         elif num_tokens > self.max_tokens:
             raise ValueError(f"this forward has {num_tokens} tokens, more than max_tokens={self.max_tokens}")
         self._agree_on_sizes(tokens.device)
-        send_rows = self.max_tokens * self.top_k
-        self.capacity = self.user_capacity or self.ep_size * send_rows
-        row_backend = resolve_backend(self.backend, tokens.device)
-        options = {
-            "symm_mem": dict(max_send_rows=send_rows, capacity=self.capacity, hidden=self.hidden,
-                             dtype=tokens.dtype, device=tokens.device, row_backend=row_backend),
-            "padded_all_to_all": dict(budget=self.capacity // self.ep_size, row_backend=row_backend),
-        }.get(self.transport_name, {})
-        self.transport = make_transport(
-            self.transport_name, self.group, self.ep_size, self.num_local_experts, **options
-        )
-        self.recv_rows = self.transport.recv_rows(self.capacity)
+        capacity = self.user_capacity or self.ep_size * self.max_tokens * self.top_k
+        # A source sends a rank at most `budget` copies, so at most that many tokens.
+        self.segment_rows = min(self.max_tokens, capacity // self.ep_size)
+        if self.transport_name != "local":  # one rank may still name a transport: its calls then run on itself
+            options = {
+                "peer": dict(max_tokens=self.max_tokens, hidden=self.hidden, dtype=tokens.dtype, top_k=self.top_k,
+                             device=tokens.device, num_sms=self.num_sms, overlap_sms=self.overlap_sms),
+                "symm_mem": dict(max_tokens=self.max_tokens, row_bytes=self.hidden * tokens.element_size(),
+                                 extra_bytes=8 * self.top_k, device=tokens.device),
+            }.get(self.transport_name, {})
+            self.transport = shared_transport(
+                self.transport_name, self.group, self.ep_size, self.segment_rows, **options
+            )
+        self.capacity = capacity
 
     def _agree_on_sizes(self, device: torch.device) -> None:
         """Every rank sizes its buffers alike: the group's largest ``max_tokens``, and one capacity.
 
         A sender's budget per destination is its ``capacity // ep_size``, and
-        the receiver's buffer holds its own ``capacity``: with different
+        the receiver's experts take its own ``capacity``: with different
         capacities a rank could receive more than it has room for.
         """
         if self.ep_size == 1:
@@ -337,10 +373,9 @@ class ExpertParallelMoELayer(nn.Module):
         tokens = x.reshape(-1, self.hidden).contiguous()
         self._ensure_transport(tokens)
         if self.transport_name == "all_to_all" and torch.compiler.is_compiling():
-            # Its collectives read the counts on the host to size their buffers.
             raise NotImplementedError(
                 "ExpertParallelMoELayer(transport='all_to_all') cannot run under torch.compile: it reads the "
-                "per-rank counts on the host. Use transport='local' (one rank) or 'symm_mem', or run eagerly"
+                "per-rank counts on the host. Use transport='local' (one rank), or run eagerly"
             )
         # Under capture or compile the overflow check (a host read) is left to check_overflow().
         capturing = torch.compiler.is_compiling() or (tokens.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -349,23 +384,21 @@ class ExpertParallelMoELayer(nn.Module):
         routing = self.router(tokens)
         backend = resolve_backend(self.backend, tokens.device)
         _check_dtype(backend, tokens.dtype)
-        num_tokens, top_k = routing.experts.shape
-        per_expert = -1
-        priority = None
-        if self.capacity_factor is not None:
-            per_expert = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
-            if self.drop_policy == "probs":
-                priority = routing.weights.detach().to(torch.float32).contiguous()
-        experts = routing.experts.contiguous()
-        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
-            experts, priority, self.num_experts, per_expert, False, backend
-        )
-        send, send_map, in_splits = self.send_buffer(tokens, routing, row_id_map, m_splits, backend)
-        recv, layout = DispatchFunction.apply(send, in_splits, self.transport, self.recv_rows)
-        local_splits = local_expert_splits(layout, self.num_local_experts, self.ep_size)
-        expert_out = self.experts(recv, local_splits, is_first_microbatch)
-        back = CombineFunction.apply(expert_out, layout, in_splits, self.transport, send.shape[0])
-        out = unpermute(back, send_map, routing.weights, backend=self.backend)
+        experts = self._experts_that_travel(routing, backend)
+        if self.transport is None:  # one rank
+            out = self._run_experts(tokens, routing.weights, experts, backend, is_first_microbatch)
+        else:
+            plan = make_plan(experts, self.num_local_experts, self.ep_size, self.segment_rows)
+            routes = encode_routes(experts, routing.weights)
+            decode = functools.partial(
+                decode_routes, top_k=self.top_k, first_expert=self.first_expert,
+                num_local_experts=self.num_local_experts, dtype=routing.weights.dtype,
+            )
+            received, weights, local = DispatchFunction.apply(
+                tokens, routing.weights, routes, plan, self.transport, decode
+            )
+            partial = self._run_experts(received, weights, local, backend, is_first_microbatch, plan)
+            out = CombineFunction.apply(partial, plan, self.transport)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
@@ -374,19 +407,58 @@ class ExpertParallelMoELayer(nn.Module):
         self.last_routing = routing.detached()
         return out.view(x.shape)
 
-    def send_buffer(self, tokens, routing, row_id_map, m_splits, backend):
-        """``(send, send_map, in_splits)``: this rank's token copies laid out for the transport
-        (see :func:`plan_sends`; padded for ``padded_all_to_all``); counts the copies past the budget."""
-        padded = self.transport.padded_send
-        send_map, in_splits, dropped = plan_sends(
-            row_id_map, routing.experts.reshape(-1), m_splits, self.ep_size, self.budget, padded
+    def _experts_that_travel(self, routing: RoutingOutput, backend: str) -> torch.Tensor:
+        """[T, k] global experts of the copies that travel, -1 for those dropped (capacity factor, or
+        past a destination's budget: counted in ``overflow_count``)."""
+        num_tokens, top_k = routing.experts.shape
+        budget_binds = self.budget < num_tokens * top_k
+        if self.capacity_factor is None and not budget_binds:
+            return routing.experts
+        per_expert, priority = -1, None
+        if self.capacity_factor is not None:
+            per_expert = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
+            if self.drop_policy == "probs":
+                priority = routing.weights.detach().to(torch.float32).contiguous()
+        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+            routing.experts.contiguous(), priority, self.num_experts, per_expert, False, backend
         )
+        kept, dropped = kept_experts(routing.experts, row_id_map, m_splits, self.ep_size, self.budget)
         self.overflow_count.add_(dropped)
-        top_k = routing.experts.shape[1]
-        rows = self.ep_size * self.budget if padded else tokens.shape[0] * top_k
-        # Padding rows are never read by the receiver, so they need no zeros.
-        send = torch.ops.moe_grouped.permute_rows(tokens, send_map, top_k, rows, not padded, backend)
-        return send, send_map, in_splits
+        return kept
+
+    def _run_experts(self, tokens, weights, experts, backend, is_first_microbatch, plan: Optional[RoutePlan] = None):
+        """Each token's local copies through the experts, summed with ``weights``: [rows, hidden].
+
+        ``experts`` [rows, k] this rank's expert of each copy (-1: none). With
+        the ``peer`` transport the fused path writes its output straight into
+        the transport's buffer and starts the input gradient's combine beside
+        the fc1 weight gradient.
+        """
+        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+            experts.contiguous(), None, self.num_local_experts, -1, False, backend
+        )
+        if self.experts.uses_fused_path(tokens):
+            sinks = self._sinks(plan) if isinstance(self.transport, PeerTransport) else None
+            return self.experts.forward_routed(
+                tokens, weights, row_id_map, m_splits, self.capacity, zero_unmapped=True, permute_backend=backend,
+                sinks=sinks,
+            )
+        permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, self.top_k, self.capacity, True, backend)
+        expert_out = self.experts(permuted, m_splits, is_first_microbatch)
+        return torch.ops.moe_grouped.unpermute_rows(expert_out, row_id_map, weights, self.top_k, backend)
+
+    def _sinks(self, plan: RoutePlan) -> Sinks:
+        transport: PeerTransport = self.transport  # type: ignore[assignment]
+        buffer = transport.partial_buffer()
+        if not transport.overlap_sms:
+            return Sinks(out=buffer, grad_tokens=buffer)
+
+        def start_combine(grad_tokens, grad_weights):
+            plan.cache["pending_combine"] = transport.combine_beside(grad_tokens, grad_weights, plan)
+
+        sms = torch.cuda.get_device_properties(buffer.device).multi_processor_count
+        return Sinks(out=buffer, grad_tokens=buffer, on_grad_tokens=start_combine,
+                     gemm_sms=sms - transport.overlap_sms)
 
     def backward_dw(self) -> None:
         """The local experts' deferred weight gradients (``delay_wgrad_compute=True``)."""
@@ -402,3 +474,6 @@ class ExpertParallelMoELayer(nn.Module):
             f"local_experts={self.num_local_experts}, capacity={self.user_capacity or 'worst case'}{drop}, "
             f"backend={self.backend}"
         )
+
+
+__all__ = ["ExpertParallelMoELayer", "CapacityOverflowError", "resolve_transport", "kept_experts", "shared_transport"]

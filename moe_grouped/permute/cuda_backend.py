@@ -69,18 +69,28 @@ def permute_rows(
 def unpermute_rows(
     y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int
 ) -> torch.Tensor:
+    out = y.new_empty(row_id_map.shape[0] // top_k, y.shape[1])
+    unpermute_rows_into(y, row_id_map, weights, top_k, out)
+    return out
+
+
+def unpermute_rows_into(
+    y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, out: torch.Tensor
+) -> None:
     lib = _core.require()
     num_tokens = row_id_map.shape[0] // top_k
+    if out.shape != (num_tokens, y.shape[1]) or out.dtype != y.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{num_tokens}, {y.shape[1]}] {y.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if y.shape[0] == 0:  # every copy dropped (capacity 0)
-        return y.new_zeros(num_tokens, y.shape[1])
-    out = y.new_empty(num_tokens, y.shape[1])
+        out.zero_()
+        return
     _core.check(
         lib.mg_unpermute_rows(
             _ptr(y), _core.dtype_code(y.dtype), num_tokens, y.shape[1], top_k, _ptr(row_id_map),
             _ptr(weights), _weights_code(weights, y.dtype), _ptr(out), _core.stream_handle(y.device),
         )
     )
-    return out
 
 
 def unpermute_rows_backward(

@@ -117,6 +117,26 @@ def _unpermute_rows_backward(ctx, grad):
 unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_unpermute_rows_setup_context)
 
 
+@torch.library.custom_op("moe_grouped::unpermute_rows_into_", mutates_args=("out",))
+def unpermute_rows_into_(
+    y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, backend: str,
+    out: torch.Tensor,
+) -> None:
+    """``unpermute_rows`` written into ``out`` (e.g. a transport's buffer, which then needs no copy).
+    Not differentiable: for the fused experts op, whose backward is its own."""
+    with nvtx.range(f"moe_grouped.unpermute_rows_into_[{backend}]"):
+        module = backend_module(backend)
+        if hasattr(module, "unpermute_rows_into"):
+            module.unpermute_rows_into(y, row_id_map, weights, top_k, out)
+        else:
+            out.copy_(module.unpermute_rows(y, row_id_map, weights, top_k))
+
+
+@unpermute_rows_into_.register_fake
+def _(y, row_id_map, weights, top_k, backend, out):
+    return None
+
+
 @torch.library.custom_op("moe_grouped::unpermute_rows_backward", mutates_args=())
 def unpermute_rows_backward(
     dout: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor, backend: str
