@@ -14,19 +14,18 @@ dout the layer's output gradient, dy_u = dout_t gathered unweighted):
 - ``dh = w * dh_u``, ``dg = swiglu_backward(dh, g)``, and
   ``dW2 = dy_u^T (w * h)``: one pass (:func:`moe_grouped.activation.swiglu_weighted_backward`)
   gives dg (in place of g), w * h and d w from dh_u and g
-  (``torch.ops.moe_grouped.grouped_dgrad_swiglu_``, which can also run it
-  in fc2's dgrad epilogue: measured slower, so not by default);
+  (``torch.ops.moe_grouped.grouped_dgrad_swiglu_``; it runs the pass in
+  fc2's dgrad epilogue only with ``MOE_GROUPED_DGRAD_SWIGLU=fused``);
 - ``dW1 = xp^T dg`` with xp gathered again from x; ``dx`` sums
   ``dg W1^T`` over each token's copies.
 
 Graph-safe like the unfused path (device ``m_splits`` and ``row_id_map``
 only) and deterministic. Without routing (``GroupedMLP`` on permuted input)
-the same op keeps x and g but not h.
-
-Not supported here (the unfused path handles them): biases, FP8 autocast,
-and a second backward through the same graph (``retain_graph=True``):
-backward turns the kept g into dg in place, and autograd's version check
-then refuses the second backward.
+the same op keeps x and g but not h. Not supported here (the unfused path
+handles them): biases, FP8 autocast, and a second backward through the same
+graph (``retain_graph=True``): backward turns the kept g into dg in place,
+and autograd's version check then refuses the second backward. Design notes
+and the measurements behind the kernel choices: docs/experts-path.md.
 """
 
 from __future__ import annotations
@@ -105,11 +104,10 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
     With the core's gathered kernel (bf16 on the ``cuda`` backend), the GEMM
     reads the token rows through the routing index, so no permuted [R, H]
     copy is written and read back; rows no copy maps to read zeros, as the
-    copy would hold. Measured on the H100 (benchmarks/kernels/gathered_gemm.py), the
-    gathered fc1 is 1.03-1.20x as fast as the copy plus the plain kernel on
-    the four fine-grained experts-path shapes and 0.93x on Mixtral-like; the
-    fused layer step, fc1 gathered against fc1 on a copy in one process, is
-    1.013-1.048x as fast graphed, and at parity on Mixtral-like.
+    copy would hold, so g is bitwise what the copy gives. Elsewhere: the
+    permuted copy (``permute_rows``; the input itself when not routed), then
+    the plain kernel. The choice does not depend on the layer's sizes
+    (docs/experts-path.md#fc1-gathered).
     """
     dtype, gemm = tokens.dtype, plan.gemm_backend
     if plan.routed and gemm == "cuda" and cuda_backend.gathers(tokens, dtype):
@@ -125,15 +123,12 @@ def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Ten
 
     On the ``cuda`` backends (GEMM and activation) with bf16 operands, one op:
     the core computes h in fc1's epilogue where its ping-pong fprop takes the
-    problem and is preferred (csrc/gemm/heuristic.cpp: K <= 2048), bitwise the
-    GEMM followed by the SwiGLU pass, and runs the two otherwise. On the H100
-    the one kernel is at parity with the gathered cooperative fc1 plus the
-    pass or a little faster (0.95-1.03x on Qwen3-, OLMoE- and DSv2-Lite-like
-    over runs on 2026-11-26 and 27, within those machines' noise; 1.00-1.04x
-    since its epilogue stores by bulk copies; in the cooperative
-    kernel's epilogue, which overlaps no MMA, SwiGLU had cost 0.40-0.48 ms
-    more than the pass on Qwen3-like), and so is the layer step (graphed,
-    0.995-1.008x against every fprop on the cooperative kernel).
+    problem and is preferred (csrc/gemm/heuristic.cpp: K <= 2048), and runs
+    the GEMM and the SwiGLU pass otherwise; either way g and h are bitwise
+    the GEMM followed by the pass. The one kernel saves the pass's read of g
+    and measures at parity with the two or a little faster
+    (docs/experts-path.md#fc1-and-swiglu-in-one-kernel). Elsewhere
+    :func:`_fc1`, then :func:`moe_grouped.activation.swiglu`.
     """
     if (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
             and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1)):

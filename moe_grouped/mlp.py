@@ -42,9 +42,10 @@ class GroupedMLP(nn.Module):
     autograd ops (each keeps its input for backward); ``"fused"`` runs them as
     one op that keeps x and fc1's output but not the SwiGLU output (see
     :mod:`moe_grouped.experts`; in :class:`MoELayer` it also fuses the
-    dispatch and the weighted combine). None (default): fused where it is the
-    faster choice, i.e. with the ``cuda`` backend in bfloat16/float16 on a
-    core with the weighted SwiGLU backward; unfused otherwise. Never fused
+    dispatch and the weighted combine). None (default): fused with the
+    ``cuda`` backend in bfloat16/float16 on a core with the weighted SwiGLU
+    backward, where it keeps less memory than the unfused path at about its
+    speed (docs/experts-path.md); unfused otherwise. Never fused
     (``"fused"`` raises): with ``bias=True`` or inside FP8 autocast.
     """
 
