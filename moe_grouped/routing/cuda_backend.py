@@ -1,19 +1,17 @@
 """The ``cuda`` routing backend: the core's expert-choice and softmax-route kernels (csrc/permute/).
 
 ``mg_route_topk`` (route_topk.cu) chooses the ``top_k`` best experts per
-token and counts the copies per expert, for float32 CUDA scores, at most 1024
-experts and ``top_k <= 32``; it replaced ``torch.topk`` and a scatter-add of
-ones that took 138 us of a Qwen3-like step on an H100 (T=16384, E=128, k=8).
+token and counts the copies per expert in one kernel, for float32 CUDA
+scores, at most 1024 experts and ``top_k <= 32``.
 
 ``Router`` with ``score_function="softmax"``, no expert bias and no group
 limit, on bf16 CUDA tokens and gate, runs its choice, weights and losses as
 ``mg_route_softmax`` (and their backward as ``mg_route_softmax_backward``):
-one pass over the fp32 logits each way, in place of some twenty small torch
-kernels (full softmax, gather, softmax of the chosen, the two losses'
-reductions; in backward the softmax backward, a zero-filled [T, E] scatter and
-the bf16 split of the logits' gradient). Same choice as ``choose_experts``
-(the logits ranked, which ranks the probabilities alike); weights and losses
-equal the torch composition's up to float32 rounding; deterministic.
+one pass over the fp32 logits each way, where the torch composition takes
+some twenty small kernels. Same choice as ``choose_experts`` (the logits
+ranked, which ranks the probabilities alike); weights and losses equal the
+torch composition's up to float32 rounding; deterministic. Design and
+measurements: docs/routing.md.
 
 Weights: the softmax over a token's chosen logits, which is both
 ``topk_before_softmax`` and softmax followed by ``normalize_topk`` (``p_i /
