@@ -88,10 +88,10 @@ def check_and_copy(what: str, names: Sequence[str], statics: Sequence[torch.Tens
             sources.append(value)
     if targets:
         with torch.no_grad():
-            # Large inputs one copy_ each: the copy kernel ran near HBM bandwidth where
-            # _foreach_copy_'s multi-tensor kernel did not (H100, two 64 MiB bf16 inputs:
-            # 96 against 131 us, 2.8 against 2.05 TB/s). Small ones share one dispatch:
-            # for them the host cost of a replay, what graphs save, is what counts.
+            # Inputs of _ONE_COPY_BYTES or more get one copy_ each, whose kernel runs
+            # near HBM bandwidth where _foreach_copy_'s multi-tensor kernel does not.
+            # Smaller ones share one _foreach_copy_ dispatch: for them the host cost
+            # of a replay, what graphs save, is what counts (docs/graphs.md).
             small_targets, small_sources = [], []
             for target, source in zip(targets, sources):
                 if target.numel() * target.element_size() >= _ONE_COPY_BYTES:
