@@ -412,25 +412,26 @@ def gpu_backend() -> str:
 
 
 @pytest.mark.gpu
-def test_gpu_ep_size_1_equals_moe_layer(one_rank_group):
+@pytest.mark.parametrize("experts_path", [None, "unfused"])
+def test_gpu_ep_size_1_equals_moe_layer_bitwise(one_rank_group, experts_path):
+    """One rank runs MoELayer's experts on its own tokens, the same path in the same order: the same bits."""
     backend = gpu_backend()
     torch.manual_seed(3)
     options = dict(single_grouped_weight=True, dtype=torch.bfloat16, device="cuda", backend=backend)
-    # The EP layer runs the experts unfused (permute, GroupedMLP, unpermute); so does the reference here, since
-    # the fused path's float32 routing-weight gradient rounds differently (calc_diff ~1e-5 on dx).
-    ref = MoELayer(64, 96, 8, 2, experts_path="unfused", **options)
+    ref = MoELayer(64, 96, 8, 2, experts_path=experts_path, **options)
     ep = ExpertParallelMoELayer(64, 96, 8, 2, transport="local", **options).load_from(ref)
+    ep.experts.experts_path = experts_path
     x = torch.randn(256, 64, dtype=torch.bfloat16, device="cuda")
     dout = torch.randn_like(x)
     xr, xe = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     out_ref, out = ref(xr), ep(xe)
     out_ref.backward(dout)
     out.backward(dout)
-    assert calc_diff(out.float(), out_ref.float()) < 1e-6, f"{backend=}"
-    assert calc_diff(xe.grad.float(), xr.grad.float()) < 1e-6, f"{backend=}"
+    assert torch.equal(out, out_ref), f"{backend=} {experts_path=}"
+    assert torch.equal(xe.grad, xr.grad), f"{backend=} {experts_path=}"
     want = dict(ref.named_parameters())
     for name, p in ep.named_parameters():
-        assert calc_diff(p.grad.float(), want[name].grad.float()) < 1e-6, f"{backend=} {name}"
+        assert torch.equal(p.grad, want[name].grad), f"{backend=} {experts_path=} {name}"
 
 
 @pytest.mark.gpu
@@ -486,3 +487,69 @@ def test_gpu_ep_size_1_overflow_is_counted_on_the_device_during_replay(one_rank_
     assert torch.isfinite(out).all()
     with pytest.raises(CapacityOverflowError, match=f"^{2 * (128 - 16)} token copies"):
         layer.check_overflow()
+
+
+@pytest.fixture
+def one_rank_nccl_group():
+    """A 1-rank NCCL default group in this process: the peer transport's kernels then run on one GPU."""
+    if dist.is_initialized():
+        pytest.fail("a process group is already initialised in the test process")
+    device = torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_rank_nccl_group):
+    """The peer kernels (plan, dispatch, combine, their barrier) on one GPU: bitwise the local path, eagerly
+    and in 50 captured replays with new routing, with the backward's combine beside fc1's weight gradient."""
+    from moe_grouped import graphs
+    from moe_grouped.parallel import peer_unavailable_reason
+
+    reason = peer_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    torch.manual_seed(6)
+    options = dict(single_grouped_weight=True, dtype=torch.bfloat16, device="cuda", backend=gpu_backend(),
+                   router_options=dict(normalize_topk=True))
+    tokens, hidden = 384, 128
+    local = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="local", **options)
+    peer = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="peer", max_tokens=tokens, **options)
+    peer.load_state_dict(local.state_dict())
+    def train_step(layer):
+        params = list(layer.parameters())
+
+        def step(x, dout):
+            for p in params:
+                p.grad = None
+            x = x.detach().requires_grad_(True)  # the input's gradient takes the overlapped combine
+            out = layer(x)
+            out.backward(dout)
+            return [out.detach(), x.grad, layer.last_routing.tokens_per_expert, *[p.grad for p in params]]
+
+        return step
+
+    steps = {name: train_step(layer) for name, layer in (("local", local), ("peer", peer))}
+    generator = torch.Generator(device="cuda").manual_seed(7)
+
+    def batch(scale=1.0):
+        x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator) * scale
+        return x, torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda", generator=generator)
+
+    for _ in range(2):
+        x, dout = batch()
+        want, got = steps["local"](x, dout), steps["peer"](x, dout)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"eager output {i} differs (calc_diff {calc_diff(a.float(), b.float())})"
+    assert peer.transport is not None and peer.transport.name == "peer"
+    captured = graphs.capture_step(steps["peer"], *batch())
+    assert_captured_safely(captured.graph)
+    for replay in range(50):
+        x, dout = batch(1 + replay % 3)
+        got = [t.clone() for t in captured(x, dout)]
+        want = steps["local"](x, dout)
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert torch.equal(a, b), f"{replay=}: output {i} differs (calc_diff {calc_diff(a.float(), b.float())})"

@@ -314,35 +314,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(const CombineParam
 }
 
 // ---------------------------------------------------------------- plan
-constexpr int kPlanThreads = 1024;
-
-// Exclusive prefix sum of `value` over the block in thread order; `total` gets the sum.
-__device__ int block_exclusive_sum(int value, int* total) {
-  __shared__ int warp_sums[kPlanThreads / 32];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int inclusive = value;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset *= 2) {
-    const int other = __shfl_up_sync(0xffffffffu, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    int sum = warp_sums[lane];
-#pragma unroll
-    for (int offset = 1; offset < 32; offset *= 2) {
-      const int other = __shfl_up_sync(0xffffffffu, sum, offset);
-      if (lane >= offset) sum += other;
-    }
-    warp_sums[lane] = sum;  // inclusive over warps
-  }
-  __syncthreads();
-  const int before = (warp == 0 ? 0 : warp_sums[warp - 1]) + inclusive - value;
-  *total = warp_sums[kPlanThreads / 32 - 1];
-  __syncthreads();
-  return before;
-}
+// Two kernels over chunks of consecutive tokens, one CTA a chunk: the first
+// counts each chunk's tokens for every destination, the second gives each
+// token its row (the counts of the chunks before it plus a block-wide scan
+// over its own tile), so rows follow token order within every destination.
+constexpr int kPlanThreads = 256;
+constexpr int kPlanWarps = kPlanThreads / 32;
+constexpr int kPlanMaxBlocks = 256;
 
 __device__ __forceinline__ uint32_t destinations(const int64_t* experts, int64_t token, int top_k,
                                                  int experts_per_rank, int ep) {
@@ -354,53 +332,103 @@ __device__ __forceinline__ uint32_t destinations(const int64_t* experts, int64_t
   return mask;
 }
 
-// One block: each thread takes a run of consecutive tokens, so the block-wide
-// scans keep token order within every destination.
-__global__ void __launch_bounds__(kPlanThreads) plan_kernel(const int64_t* __restrict__ experts, int64_t num_tokens,
-                                                            int top_k, int experts_per_rank, int ep, int64_t S,
-                                                            int32_t* __restrict__ pos, int32_t* __restrict__ index,
-                                                            int32_t* __restrict__ counts) {
-  const int64_t per_thread = (num_tokens + kPlanThreads - 1) / kPlanThreads;
-  const int64_t begin = threadIdx.x * per_thread;
-  const int64_t end = begin + per_thread < num_tokens ? begin + per_thread : num_tokens;
-  int mine[MG_EP_MAX_RANKS];
-#pragma unroll
-  for (int d = 0; d < MG_EP_MAX_RANKS; ++d) mine[d] = 0;
-  for (int64_t t = begin; t < end; ++t) {
-    const uint32_t mask = destinations(experts, t, top_k, experts_per_rank, ep);
-#pragma unroll
-    for (int d = 0; d < MG_EP_MAX_RANKS; ++d) mine[d] += (mask >> d) & 1u;
-  }
-  int next[MG_EP_MAX_RANKS];
-#pragma unroll
-  for (int d = 0; d < MG_EP_MAX_RANKS; ++d) {
-    if (d < ep) {
-      int total = 0;
-      next[d] = block_exclusive_sum(mine[d], &total);
-      if (threadIdx.x == 0) counts[d] = total < S ? total : static_cast<int>(S);
-    }
-  }
-  for (int64_t t = begin; t < end; ++t) {
-    const uint32_t mask = destinations(experts, t, top_k, experts_per_rank, ep);
-#pragma unroll
-    for (int d = 0; d < MG_EP_MAX_RANKS; ++d) {
-      if (d >= ep) continue;
-      int32_t at = -1;
-      if ((mask >> d) & 1u) {
-        at = next[d]++;
-        if (at < S) {
-          index[d * S + at] = static_cast<int32_t>(t);
-        } else {
-          at = -1;  // past the segment: the caller keeps each destination within S
-        }
-      }
-      pos[t * ep + d] = at;
+struct PlanParams {
+  const int64_t* experts;
+  int64_t num_tokens, segment_rows, chunk;  // chunk: tokens a CTA, a multiple of kPlanThreads
+  int top_k, experts_per_rank, ep;
+  int32_t* pos;
+  int32_t* index;
+  int32_t* counts;
+  int32_t* chunk_counts;  // [blocks, ep]
+};
+
+__global__ void __launch_bounds__(kPlanThreads) plan_count_kernel(const PlanParams p) {
+  __shared__ int counts[MG_EP_MAX_RANKS];
+  if (threadIdx.x < MG_EP_MAX_RANKS) counts[threadIdx.x] = 0;
+  __syncthreads();
+  const int64_t begin = blockIdx.x * p.chunk;
+  const int64_t end = begin + p.chunk < p.num_tokens ? begin + p.chunk : p.num_tokens;
+  for (int64_t t = begin + threadIdx.x; t < end; t += kPlanThreads) {
+    uint32_t mask = destinations(p.experts, t, p.top_k, p.experts_per_rank, p.ep);
+    while (mask) {
+      const int d = __ffs(mask) - 1;
+      atomicAdd(&counts[d], 1);
+      mask &= mask - 1;
     }
   }
   __syncthreads();
-  for (int d = 0; d < ep; ++d) {
-    const int used = counts[d];
-    for (int64_t r = used + threadIdx.x; r < S; r += kPlanThreads) index[d * S + r] = -1;
+  if (threadIdx.x < p.ep) p.chunk_counts[blockIdx.x * p.ep + threadIdx.x] = counts[threadIdx.x];
+}
+
+__global__ void __launch_bounds__(kPlanThreads) plan_write_kernel(const PlanParams p) {
+  __shared__ int next[MG_EP_MAX_RANKS];      // this CTA's next row for each destination
+  __shared__ int warp_counts[kPlanWarps][MG_EP_MAX_RANKS];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x < p.ep) {
+    int before = 0, total = 0;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) {
+      const int c = p.chunk_counts[b * p.ep + threadIdx.x];
+      if (b < static_cast<int>(blockIdx.x)) before += c;
+      total += c;
+    }
+    next[threadIdx.x] = before;
+    if (blockIdx.x == 0) p.counts[threadIdx.x] = total < p.segment_rows ? total : static_cast<int>(p.segment_rows);
+  }
+  __syncthreads();
+  const int64_t begin = blockIdx.x * p.chunk;
+  const int64_t end = begin + p.chunk < p.num_tokens ? begin + p.chunk : p.num_tokens;
+  for (int64_t tile = begin; tile < end; tile += kPlanThreads) {
+    const int64_t t = tile + threadIdx.x;
+    const uint32_t mask = t < end ? destinations(p.experts, t, p.top_k, p.experts_per_rank, p.ep) : 0u;
+    // For each destination: this token's rank among the tile's tokens that go there (warp ballots, then
+    // the warps before it), in token order.
+    int mine[MG_EP_MAX_RANKS];
+#pragma unroll
+    for (int d = 0; d < MG_EP_MAX_RANKS; ++d) {
+      if (d >= p.ep) break;
+      const unsigned ballot = __ballot_sync(0xffffffffu, (mask >> d) & 1u);
+      mine[d] = __popc(ballot & ((1u << lane) - 1u));
+      if (lane == 0) warp_counts[warp][d] = __popc(ballot);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int d = 0; d < MG_EP_MAX_RANKS; ++d) {
+      if (d >= p.ep) break;
+      int row = next[d] + mine[d];
+      for (int w = 0; w < warp; ++w) row += warp_counts[w][d];
+      if (t < end) {
+        int32_t at = -1;
+        if ((mask >> d) & 1u) {
+          if (row < p.segment_rows) {
+            p.index[d * p.segment_rows + row] = static_cast<int32_t>(t);
+            at = row;
+          }  // else past the segment: the caller keeps every destination within it
+        }
+        p.pos[t * p.ep + d] = at;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < p.ep) {
+      int tile_total = 0;
+      for (int w = 0; w < kPlanWarps; ++w) tile_total += warp_counts[w][threadIdx.x];
+      next[threadIdx.x] += tile_total;
+    }
+    __syncthreads();
+  }
+  // Rows past each destination's count: -1, spread over the CTAs.
+  if (threadIdx.x < p.ep) next[threadIdx.x] = 0;  // reuse: the totals again, from the chunk counts
+  __syncthreads();
+  if (threadIdx.x < p.ep) {
+    int total = 0;
+    for (int b = 0; b < static_cast<int>(gridDim.x); ++b) total += p.chunk_counts[b * p.ep + threadIdx.x];
+    next[threadIdx.x] = total;
+  }
+  __syncthreads();
+  for (int d = 0; d < p.ep; ++d) {
+    for (int64_t r = next[d] + static_cast<int64_t>(blockIdx.x) * kPlanThreads + threadIdx.x; r < p.segment_rows;
+         r += static_cast<int64_t>(gridDim.x) * kPlanThreads) {
+      p.index[d * p.segment_rows + r] = -1;
+    }
   }
 }
 
@@ -558,9 +586,14 @@ extern "C" mg_status mg_ep_combine(const mg_ep_group* group, const mg_ep_combine
   }
 }
 
+extern "C" size_t mg_ep_plan_scratch_bytes(int64_t num_tokens, int world_size) {
+  (void)num_tokens;
+  return sizeof(int32_t) * kPlanMaxBlocks * (world_size > 0 ? world_size : 1);
+}
+
 extern "C" mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int top_k, int experts_per_rank,
                                 int world_size, int64_t segment_rows, int32_t* pos, int32_t* index, int32_t* counts,
-                                void* stream) {
+                                int32_t* scratch, void* stream) {
   const char* op = "mg_ep_plan";
   if (world_size < 1 || world_size > MG_EP_MAX_RANKS) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: world_size must be in [1, %d], got %d", op, MG_EP_MAX_RANKS,
@@ -574,12 +607,31 @@ extern "C" mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int 
                 op, top_k, experts_per_rank, static_cast<long long>(num_tokens),
                 static_cast<long long>(segment_rows));
   }
-  if (counts == nullptr || (num_tokens > 0 && (experts == nullptr || pos == nullptr)) ||
+  if (counts == nullptr || scratch == nullptr || (num_tokens > 0 && (experts == nullptr || pos == nullptr)) ||
       (segment_rows > 0 && index == nullptr)) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: experts, pos, index and counts must be device pointers", op);
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: experts, pos, index, counts and scratch must be device pointers",
+                op);
   }
-  plan_kernel<<<1, kPlanThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-      experts, num_tokens, top_k, experts_per_rank, world_size, segment_rows, pos, index, counts);
+  PlanParams p{};
+  p.experts = experts;
+  p.num_tokens = num_tokens;
+  p.segment_rows = segment_rows;
+  p.top_k = top_k;
+  p.experts_per_rank = experts_per_rank;
+  p.ep = world_size;
+  p.pos = pos;
+  p.index = index;
+  p.counts = counts;
+  p.chunk_counts = scratch;
+  // About 4 tiles a CTA, at most kPlanMaxBlocks CTAs.
+  const int64_t tiles = (num_tokens + kPlanThreads - 1) / kPlanThreads;
+  int64_t blocks = (tiles + 3) / 4;
+  blocks = blocks < 1 ? 1 : (blocks > kPlanMaxBlocks ? kPlanMaxBlocks : blocks);
+  p.chunk = (tiles + blocks - 1) / blocks * kPlanThreads;
+  if (p.chunk == 0) p.chunk = kPlanThreads;
+  auto cuda_stream = static_cast<cudaStream_t>(stream);
+  plan_count_kernel<<<static_cast<unsigned>(blocks), kPlanThreads, 0, cuda_stream>>>(p);
+  plan_write_kernel<<<static_cast<unsigned>(blocks), kPlanThreads, 0, cuda_stream>>>(p);
   MG_CUDA_RETURN(cudaGetLastError());
   return ok();
 }

@@ -439,8 +439,10 @@ class ExpertParallelMoELayer(nn.Module):
         )
         if self.experts.uses_fused_path(tokens):
             sinks = self._sinks(plan) if isinstance(self.transport, PeerTransport) else None
+            # The buffer's rows past the copies (the capacity is a worst case) belong to no expert and
+            # nothing reads them, so they are not zeroed: that would be a pass over capacity rows.
             return self.experts.forward_routed(
-                tokens, weights, row_id_map, m_splits, self.capacity, zero_unmapped=True, permute_backend=backend,
+                tokens, weights, row_id_map, m_splits, self.capacity, zero_unmapped=False, permute_backend=backend,
                 sinks=sinks,
             )
         permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, self.top_k, self.capacity, True, backend)

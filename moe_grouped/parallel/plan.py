@@ -13,7 +13,7 @@ order:
 
 ``S`` (``segment_rows``) bounds every destination's rows; the layer keeps
 each destination within it. :func:`make_plan` computes the three with the
-core's one-block kernel where it can, else with torch ops; both give the
+core's kernels (``mg_ep_plan``) where they run, else with torch ops; both give the
 same tensors.
 """
 
@@ -96,11 +96,14 @@ def _plan_cuda(experts: torch.Tensor, experts_per_rank: int, ep_size: int, segme
     pos = torch.empty(num_tokens, ep_size, dtype=torch.int32, device=device)
     index = torch.empty(ep_size, segment_rows, dtype=torch.int32, device=device)
     counts = torch.empty(ep_size, dtype=torch.int32, device=device)
+    # Used between the call's two kernels only, so a per-call tensor is safe in a captured graph.
+    scratch = torch.empty(_core.lib.mg_ep_plan_scratch_bytes(num_tokens, ep_size) // 4, dtype=torch.int32,
+                          device=device)
     with torch.cuda.device(device):
         _core.check(
             _core.lib.mg_ep_plan(
                 experts.data_ptr(), num_tokens, top_k, experts_per_rank, ep_size, segment_rows,
-                pos.data_ptr(), index.data_ptr(), counts.data_ptr(), _core.stream_handle(device),
+                pos.data_ptr(), index.data_ptr(), counts.data_ptr(), scratch.data_ptr(), _core.stream_handle(device),
             )
         )
     return RoutePlan(pos, index, counts, segment_rows)

@@ -211,12 +211,13 @@ class SymmMemTransport(Transport):
 
     Symmetric buffers are allocated in the constructor, a collective (every
     rank of ``group``, outside capture), sized for ``max_tokens`` rows out and
-    ``ep * S`` rows in, of ``row_bytes`` bytes (rows of any dtype travel as
-    bytes; the routing extras as a second call). Rows are packed by
-    destination before the collective and placed into the [ep * S] layout
-    after it (two gathers). Collectives must alternate dispatch and combine on
-    every rank (the layer's order), which keeps a rank from overwriting a
-    buffer a peer still reads.
+    ``ep * S`` rows in, of ``row_bytes + extra_bytes`` bytes: a token's row
+    and its routes (or a returned row and its weight gradients) travel in one
+    call as bytes. Rows are packed by destination before the call and placed
+    into the [ep * S] layout after it (two gathers). Dispatch and combine use
+    separate buffers and alternate on every rank (the layer's order); each
+    call starts with a barrier of the group, so a peer writes a buffer again
+    only after this rank has read it.
     """
 
     name = "symm_mem"
@@ -240,8 +241,8 @@ class SymmMemTransport(Transport):
         if symm_mem.get_backend(device) != "NVSHMEM":
             symm_mem.set_backend("NVSHMEM")
         self.group_name = group.group_name
-        rows_out = max(max_tokens, ep_size * segment_rows)
-        width = max(row_bytes, extra_bytes)
+        rows = max(max_tokens, ep_size * segment_rows)
+        self.width = row_bytes + extra_bytes
 
         def symmetric(*shape, dtype):
             buffer = symm_mem.empty(*shape, dtype=dtype, device=device)
@@ -249,69 +250,64 @@ class SymmMemTransport(Transport):
             return buffer
 
         with torch.cuda.device(device):
-            self.send = symmetric(rows_out, width, dtype=torch.uint8)
-            self.recv = symmetric(rows_out, width, dtype=torch.uint8)
-            self.in_splits = symmetric(ep_size, dtype=torch.int64)
-            self.out_splits = symmetric(2, ep_size, dtype=torch.int64)
+            self.buffers = {
+                kind: (symmetric(rows, self.width, dtype=torch.uint8), symmetric(rows, self.width, dtype=torch.uint8),
+                       symmetric(ep_size, dtype=torch.int64), symmetric(2, ep_size, dtype=torch.int64))
+                for kind in ("dispatch", "combine")
+            }
 
-    def _exchange(self, x: torch.Tensor, send_index: torch.Tensor, splits: torch.Tensor) -> tuple:
-        """Rows ``x[send_index]`` (packed by destination, ``splits`` each) to their ranks; returns the
-        received bytes view and [2, ep] (rows from each source, their offsets)."""
-        as_bytes = x.contiguous().view(torch.uint8).view(x.shape[0], -1)
-        width = as_bytes.shape[1]
-        if width > self.send.shape[1]:
-            raise ValueError(f"rows of {width} bytes exceed the symmetric buffers' {self.send.shape[1]}")
-        rows = send_index.shape[0]
-        self.send[:rows, :width].copy_(gather_rows(as_bytes, send_index))
-        self.in_splits.copy_(splits)
-        torch.ops.symm_mem.all_to_all_vdev(self.send, self.recv, self.in_splits, self.out_splits, self.group_name)
-        return self.recv[:, :width], self.out_splits
+    def _exchange(self, kind: str, parts: list, send_index: torch.Tensor, splits: torch.Tensor, S: int) -> list:
+        """``parts``' rows ``send_index`` (packed by destination, ``splits`` each) to their ranks, as one
+        row of bytes each; returns the parts received, in the [ep * S] layout (zeros past each count)."""
+        send, recv, in_splits, out_splits = self.buffers[kind]
+        rows, column, views = send_index.shape[0], 0, []
+        for part in parts:
+            as_bytes = part.contiguous().view(torch.uint8).view(part.shape[0], -1)
+            width = as_bytes.shape[1]
+            if column + width > self.width:
+                raise ValueError(f"rows of {column + width} bytes exceed the symmetric buffers' {self.width}")
+            send[:rows, column : column + width].copy_(gather_rows(as_bytes, send_index))
+            views.append((column, width, part))
+            column += width
+        in_splits.copy_(splits)
+        torch.ops.symm_mem.all_to_all_vdev(send, recv, in_splits, out_splits, self.group_name)
+        p = torch.arange(S, device=recv.device)
+        src = torch.where(p < out_splits[0].unsqueeze(1), out_splits[1].unsqueeze(1) + p, -1).reshape(-1)
+        placed = gather_rows(recv[:, :column], src)
+        if kind == "dispatch":
+            self.received = out_splits[0].clone()  # rows each source sent here: what goes back to it
+        return [placed[:, c : c + w].contiguous().view(part.dtype).view(-1, *part.shape[1:]) for c, w, part in views]
 
-    def _placed(self, received: torch.Tensor, layout: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """[ep * S, ...] rows of ``like``'s dtype: source s's p-th row at s * S + p, zeros past its count."""
-        S = self.segment_rows
-        p = torch.arange(S, device=received.device)
-        src = torch.where(p < layout[0].unsqueeze(1), layout[1].unsqueeze(1) + p, -1).reshape(-1)
-        return gather_rows(received, src).view(like.dtype).view(self.ep_size * S, *like.shape[1:])
-
-    def _packed_index(self, sizes: torch.Tensor, starts_in_layout: torch.Tensor, rows: int) -> torch.Tensor:
-        """[rows] for each packed row (by rank, ``sizes`` each), its row in a [ep * S]-like layout."""
-        offsets = torch.cumsum(sizes, 0) - sizes
+    def _packed_index(self, sizes: torch.Tensor, rows: int) -> torch.Tensor:
+        """[rows]: for each row packed by rank (``sizes`` each), its row in the [ep * S] layout (-1 past them)."""
+        ends = torch.cumsum(sizes, 0)
         r = torch.arange(rows, device=sizes.device)
-        rank = (torch.searchsorted(torch.cumsum(sizes, 0), r, right=True)).clamp(max=self.ep_size - 1)
-        inside = r - offsets[rank]
-        return torch.where(inside < sizes[rank], starts_in_layout[rank] + inside, -1)
+        rank = torch.searchsorted(ends, r, right=True).clamp(max=self.ep_size - 1)
+        inside = r - (ends - sizes)[rank]
+        return torch.where(inside < sizes[rank], rank * self.segment_rows + inside, -1)
 
     def dispatch(self, rows, extra, plan):
         self._check_plan(plan)
         ep, S = self.ep_size, self.segment_rows
         counts = plan.counts.to(torch.int64)
-        # Packed by destination: rank d's rows are index[d, :counts[d]].
-        flat = self._packed_index(counts, torch.arange(ep, device=counts.device) * S, ep * S)
-        send_index = gather_rows(plan.index.reshape(-1, 1), flat).view(-1)
-        send_index = torch.where(flat >= 0, send_index, -1)
-        received, layout = self._exchange(rows, send_index, counts)
-        out = self._placed(received, layout, rows)
-        plan.cache[("received", id(self))] = layout[0].clone()
-        out_extra = None
-        if extra is not None:
-            received, layout = self._exchange(extra, send_index, counts)
-            out_extra = self._placed(received, layout, extra)
-        return out, out_extra
-
-    def _back(self, x: torch.Tensor, plan: RoutePlan) -> torch.Tensor:
-        ep, S = self.ep_size, self.segment_rows
-        from_source = plan.cache[("received", id(self))]  # rows each source sent here
-        packed = self._packed_index(from_source, torch.arange(ep, device=x.device) * S, ep * S)
-        received, layout = self._exchange(x, packed, from_source)
-        return self._placed(received, layout, x).view(ep, S, -1)
+        flat = self._packed_index(counts, ep * S)  # packed row -> row of plan.index
+        send_index = torch.where(flat >= 0, gather_rows(plan.index.reshape(-1, 1), flat).view(-1), -1)
+        parts = [rows] if extra is None else [rows, extra]
+        got = self._exchange("dispatch", parts, send_index, counts, S)
+        plan.cache[("received", id(self))] = self.received
+        return got[0], (got[1] if extra is not None else None)
 
     def combine(self, rows, extra, plan):
         self._check_plan(plan)
-        if ("received", id(self)) not in plan.cache:
+        key = ("received", id(self))
+        if key not in plan.cache:
             raise RuntimeError("symm_mem: combine needs the plan's dispatch first (it learns the received counts)")
-        out = sum_by_rank(self._back(rows, plan), plan.pos, rows.dtype)
-        out_extra = None if extra is None else sum_by_rank(self._back(extra, plan), plan.pos, extra.dtype)
+        ep, S = self.ep_size, self.segment_rows
+        from_source = plan.cache[key]
+        parts = [rows] if extra is None else [rows, extra]
+        back = self._exchange("combine", parts, self._packed_index(from_source, ep * S), from_source, S)
+        out = sum_by_rank(back[0].view(ep, S, -1), plan.pos, rows.dtype)
+        out_extra = None if extra is None else sum_by_rank(back[1].view(ep, S, -1), plan.pos, extra.dtype)
         return out, out_extra
 
 
@@ -330,6 +326,8 @@ class DispatchFunction(torch.autograd.Function):
         local_experts, received_weights = decode(received_routes)
         ctx.plan, ctx.transport, ctx.weights_dtype = plan, transport, weights.dtype
         ctx.mark_non_differentiable(local_experts)
+        if not ctx.needs_input_grad[0]:  # the experts then skip the tokens' gradient (fc1's dgrad);
+            ctx.mark_non_differentiable(received)  # backward gets zeros for it, combined for the weights
         return received, received_weights, local_experts
 
     @staticmethod
@@ -340,6 +338,8 @@ class DispatchFunction(torch.autograd.Function):
         else:
             extra = None if grad_weights is None else grad_weights.to(extra_dtype(ctx.weights_dtype)).contiguous()
             dx, dw = ctx.transport.combine(grad_tokens.contiguous(), extra, ctx.plan)
+        if not ctx.needs_input_grad[0]:
+            dx = None
         return dx, (None if dw is None else dw.to(ctx.weights_dtype)), None, None, None, None
 
 

@@ -133,8 +133,10 @@ def check_transports_and_reference(experts: int, options: dict) -> None:
         if r == rank:
             ref_out, ref_dx = out, dx
         ref_grads = grads if ref_grads is None else {n: ref_grads[n] + g.float() for n, g in grads.items()}
-    assert calc_diff(out_s, ref_out) < 1e-6, f"{case}: output vs MoELayer {calc_diff(out_s, ref_out)}"
-    assert calc_diff(dx_s, ref_dx) < 1e-6, f"{case}: x.grad vs MoELayer {calc_diff(dx_s, ref_dx)}"
+    # Each rank's weighted sum of a token's copies is rounded to bf16 before the ranks' sums are added
+    # (MoELayer rounds once): about 2e-6 apart.
+    assert calc_diff(out_s, ref_out) < 1e-5, f"{case}: output vs MoELayer {calc_diff(out_s, ref_out)}"
+    assert calc_diff(dx_s, ref_dx) < 1e-5, f"{case}: x.grad vs MoELayer {calc_diff(dx_s, ref_dx)}"
     ne = experts // world
     for name, grad in g_s.items():
         if name.startswith("experts."):
@@ -268,6 +270,8 @@ def check_overflow(experts: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replays", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true",
+                        help="one transport comparison and the peer replays only (e.g. under compute-sanitizer)")
     args = parser.parse_args()
     if "RANK" not in os.environ:
         raise SystemExit("run under torchrun: torchrun --nproc-per-node N tests/multi_gpu/ep_suite.py")
@@ -292,6 +296,14 @@ def main() -> None:
         dict(capacity_factor=0.75, drop_policy="probs", shared_expert_ffn_hidden=64, aux_loss_coeff=0.01),
         dict(single_grouped_weight=True, fuse_wgrad_accumulation=True, delay_wgrad_compute=True, bias=True),
     ]
+    if args.quick:
+        check_transports_and_reference(4 * world, {})
+        check_replays(4 * world, args.replays, dict(single_grouped_weight=True))
+        check_overflow(4 * world)
+        say(f"all expert-parallel checks passed on {world} GPUs (quick) in {time.perf_counter() - start:.0f} s")
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     for experts in (4 * world, 20 * world):  # 4 and 20 experts a rank
         for options in option_sets:
             check_transports_and_reference(experts, options)
