@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import pytest
 import torch
 
 import moe_grouped
@@ -123,22 +124,52 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.d
     assert error / scale <= TOLERANCE[dtype], f"{case}: relative error {error / scale:.3e} > {TOLERANCE[dtype]:.0e}"
 
 
-def cuda_kernels_reason(capability: Optional[int] = None, missing: str = "") -> Optional[str]:
-    """Why the cuda backend's kernels can't be tested here, or None when they can: no visible GPU, the
-    backend unavailable, or, with ``capability`` (a core ``CAP_*`` bit), a core built without the kernels
-    ``missing`` names."""
+NO_GPU = "needs a CUDA GPU; none is visible"
+
+
+def cuda_kernels_reason(
+    capability: int = _core.CAP_GROUPED_GEMM_16BIT, kernels: str = "grouped GEMM kernels", *, entry: str = ""
+) -> Optional[str]:
+    """Why the core's ``kernels`` (the family behind ``capability``, a ``_core.CAP_*`` bit) cannot be
+    tested here, or None when they can: no visible GPU, no core, a core built without them, a GPU
+    they were not built for, or (``entry``) a core that predates that C function.
+
+    The one skip rule of the GPU tests: use it as ``@needs_cuda_kernels(...)`` on a test or
+    parameter, or ``skip_without_cuda_kernels(...)`` inside one."""
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU; none is visible"
-    reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
-    if reason is None and capability is not None and not _core.has(capability):
-        reason = f"the core was built without {missing}"
+        return NO_GPU
+    reason = moe_grouped.backends.core_kernels_unavailable_reason(torch.device("cuda"), capability, kernels)
+    if reason is None and entry and not hasattr(_core.lib, entry):
+        reason = f"the core at {_core.library_path} predates {entry}; rebuild the package"
     return reason
+
+
+def needs_cuda_kernels(
+    capability: int = _core.CAP_GROUPED_GEMM_16BIT, kernels: str = "grouped GEMM kernels", *, entry: str = ""
+) -> pytest.MarkDecorator:
+    """A skip mark with :func:`cuda_kernels_reason`'s reason (evaluated at collection)."""
+    reason = cuda_kernels_reason(capability, kernels, entry=entry)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+def skip_without_cuda_kernels(
+    capability: int = _core.CAP_GROUPED_GEMM_16BIT, kernels: str = "grouped GEMM kernels", *, entry: str = ""
+) -> None:
+    """Skips the running test with :func:`cuda_kernels_reason`'s reason, if there is one."""
+    reason = cuda_kernels_reason(capability, kernels, entry=entry)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def gpu_backends(capability: int = _core.CAP_GROUPED_GEMM_16BIT, kernels: str = "grouped GEMM kernels") -> list[str]:
+    """The graph-safe backends a GPU test runs: ``torch``, and ``cuda`` where its kernels can run."""
+    return ["torch"] + (["cuda"] if cuda_kernels_reason(capability, kernels) is None else [])
 
 
 def backends_for(device: str, dtype: torch.dtype = None) -> list[str]:
     """The backends to check on ``device`` (in ``dtype``): cuda only where it can run."""
     names = ["reference", "torch"]
-    if device == "cuda" and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
+    if device == "cuda" and cuda_kernels_reason() is None:
         if dtype is None or dtype in moe_grouped.gemm.cuda_backend.SUPPORTED_DTYPES:
             names.append("cuda")
     return names

@@ -3,25 +3,17 @@
 import pytest
 import torch
 
-import moe_grouped
 from moe_grouped import GroupedLinear
 
-from cases import SPLIT_PATTERNS, make_splits
+from cases import SPLIT_PATTERNS, gpu_backends, make_splits
 
 pytestmark = pytest.mark.gpu
-
-
-def graph_safe_backends():
-    names = ["torch"]
-    if torch.cuda.is_available() and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
-    return names
 
 
 @pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
 def test_fwd_bwd_capture_replays_new_splits_like_eager(single_grouped_weight):
     num_experts, total, k, n = 8, 512, 128, 256
-    for backend in graph_safe_backends():
+    for backend in gpu_backends():
         torch.manual_seed(0)
         layer = GroupedLinear(
             num_experts, k, n, single_grouped_weight=single_grouped_weight,

@@ -25,6 +25,8 @@ import moe_grouped
 from moe_grouped import GroupedLinear, GroupedMLP, MoELayer, fp8
 from moe_grouped.fp8 import gemm as fp8_gemm
 
+from cases import needs_cuda_kernels
+
 CPU_BACKENDS = ("reference", "torch")
 COMPILERS = ("eager", "aot_eager")
 E, K, N = 4, 16, 24
@@ -336,9 +338,7 @@ FP8_E, FP8_K, FP8_N = 4, 128, 64
 E4M3 = torch.float8_e4m3fn
 EXACT = {"atol": 0.0, "rtol": 0.0}
 RECIPES = {"E4M3": fp8.Float8BlockScaling(), "HYBRID": fp8.Float8BlockScaling("HYBRID", pow2_scales=False)}
-cuda_fp8 = pytest.mark.skipif(
-    not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 GEMMs"
-)
+cuda_fp8 = needs_cuda_kernels(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE, "FP8 grouped GEMMs")
 
 
 def _bits(q) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from cases import (
     bounds,
     calc_diff,
     cuda_kernels_reason,
+    needs_cuda_kernels,
     make_splits,
     oracle_dbias,
     oracle_dgrad,
@@ -31,10 +32,7 @@ from cases import (
 
 
 CUDA_REASON = cuda_kernels_reason()
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(CUDA_REASON is not None, reason=f"cuda backend unavailable: {CUDA_REASON}"),
-]
+pytestmark = [pytest.mark.gpu, needs_cuda_kernels()]
 
 if CUDA_REASON is None:
     from moe_grouped.gemm import cuda_backend

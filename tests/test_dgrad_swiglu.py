@@ -8,10 +8,10 @@ import torch
 
 import moe_grouped
 from moe_grouped import _core
-from moe_grouped.activation import swiglu_weighted_backward, weighted_backward_unavailable_reason
+from moe_grouped.activation import swiglu_weighted_backward
 from moe_grouped.gemm import cuda_backend
 
-from cases import SPLIT_PATTERNS, make_splits
+from cases import SPLIT_PATTERNS, make_splits, skip_without_cuda_kernels
 
 
 def partial_cols(k: int) -> int:
@@ -33,12 +33,8 @@ def test_partial_columns_are_one_per_256_column_tile():
 
 
 def require_fused_kernel():
-    reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
-    reason = reason or weighted_backward_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
-    if not _core.has(_core.CAP_DGRAD_SWIGLU):
-        pytest.skip("core built without the SwiGLU-backward dgrad")
+    skip_without_cuda_kernels(_core.CAP_DGRAD_SWIGLU, "SwiGLU-backward dgrad")
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels", entry="mg_swiglu_weighted_backward")
 
 
 def expert_weights(layout: str, experts: int, hidden: int, ffn: int) -> list[torch.Tensor]:

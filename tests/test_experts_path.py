@@ -9,11 +9,11 @@ from torch import nn
 from torch.nn.functional import silu
 
 import moe_grouped
-from moe_grouped import GroupedMLP, MoELayer
-from moe_grouped.activation import swiglu_weighted_backward, weighted_backward_unavailable_reason
+from moe_grouped import GroupedMLP, MoELayer, _core
+from moe_grouped.activation import swiglu_weighted_backward
 from moe_grouped.permute import permute, permute_index, unpermute
 
-from cases import SPLIT_PATTERNS, assert_close_to, calc_diff, make_splits
+from cases import SPLIT_PATTERNS, assert_close_to, calc_diff, make_splits, skip_without_cuda_kernels
 
 # Capacity variants: (capacity_factor, drop_policy, pad_to_capacity).
 DROPPING = {
@@ -198,10 +198,8 @@ def test_a_second_backward_through_the_fused_path_fails_loudly():
 
 
 def require_fused_cuda():
-    reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
-    reason = reason or weighted_backward_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
+    skip_without_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels", entry="mg_swiglu_weighted_backward")
 
 
 # One unit in the last place of each dtype (a last-bit fp32 difference may round either way).

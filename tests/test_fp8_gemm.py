@@ -21,11 +21,9 @@ from moe_grouped.fp8 import (
 )
 from moe_grouped.fp8 import gemm as fp8_gemm
 
-from cases import SPLIT_PATTERNS, bounds, make_splits
+from cases import SPLIT_PATTERNS, bounds, make_splits, needs_cuda_kernels
 
-kernels = pytest.mark.skipif(
-    not _core.has(_core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 grouped GEMMs"
-)
+kernels = needs_cuda_kernels(_core.CAP_GROUPED_GEMM_FP8_BLOCKWISE, "FP8 grouped GEMMs")
 
 # (E, M, N, K): N and K multiples of 16, some not of 128. The last shape has
 # longer odd reductions (fprop 7, dgrad 5, wgrad 5 or 9 K blocks of 128).

@@ -12,7 +12,7 @@ from moe_grouped import GroupedLinear, fp8
 from moe_grouped.graphs import splits as graph_splits
 from moe_grouped.graphs import testing
 
-from cases import SPLIT_PATTERNS, calc_diff, make_splits
+from cases import SPLIT_PATTERNS, calc_diff, make_splits, needs_cuda_kernels
 
 E, K, N, M = 4, 256, 384, 640
 RECIPES = {
@@ -67,9 +67,7 @@ def assert_same_results(got, want):
             assert torch.equal(a, b), f"micro-batch {step}, parameter {i}"
 
 
-cuda_fp8 = pytest.mark.skipif(
-    not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE), reason="core without FP8 GEMMs"
-)
+cuda_fp8 = needs_cuda_kernels(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE, "FP8 grouped GEMMs")
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,11 @@ import torch
 
 from moe_grouped import _checks, _core, fp8, workspace
 
-from cases import SPLIT_PATTERNS, make_splits, oracle_dbias
+from cases import SPLIT_PATTERNS, make_splits, needs_cuda_kernels, oracle_dbias
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _core.has(_core.CAP_FP8_QUANTIZE), reason="core without FP8 quantize kernels"),
+    needs_cuda_kernels(_core.CAP_FP8_QUANTIZE, "FP8 quantize kernels"),
 ]
 
 DEVICE = "cuda"

@@ -11,12 +11,12 @@ Arguments that are wrong raise TypeError/ValueError naming them.
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hypothesis import strategies as st
 
 from moe_grouped import _core, fp8
 
+from cases import skip_without_cuda_kernels
 from fuzz_strategies import (
     Splits, bounds, call, check_splits_outcome, expect_error, expect_ok, fuzz_tests, generator, num_experts, num_tokens,
     splits,
@@ -37,8 +37,8 @@ OPTION_FAULTS = {
 
 
 def skip_without_kernels(device: str) -> None:
-    if device != "cpu" and not _core.has(_core.CAP_FP8_QUANTIZE):
-        pytest.skip("the core was built without its FP8 quantize kernels")
+    if device != "cpu":
+        skip_without_cuda_kernels(_core.CAP_FP8_QUANTIZE, "FP8 quantize kernels")
 
 
 def draw_options(data, fault):

@@ -16,9 +16,9 @@ import torch
 from hypothesis import strategies as st
 
 import moe_grouped
-from moe_grouped import permute, unpermute
-from moe_grouped.permute import cuda_unavailable_reason
+from moe_grouped import _core, permute, unpermute
 
+from cases import gpu_backends
 from fuzz_strategies import (
     assert_close, call, coarser, expect_error, expect_ok, fuzz_tests, generator, num_experts, num_tokens, randn,
 )
@@ -52,10 +52,7 @@ UNPERMUTE_FAULTS = {
 def permute_backends(device: str) -> list[str]:
     if device == "cpu":
         return ["reference", "torch"]
-    names = ["torch"]
-    if cuda_unavailable_reason(torch.device(device)) is None:
-        names.append("cuda")
-    return names
+    return gpu_backends(_core.CAP_PERMUTE, "permute kernels")
 
 
 def token_dtypes(backend: str) -> list[torch.dtype]:

@@ -26,7 +26,7 @@ from moe_grouped import _core
 from moe_grouped._tensors import gather_rows
 from moe_grouped.permute import permute, permute_index, source_rows
 
-from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, cuda_kernels_reason, make_splits
+from cases import SPLIT_PATTERNS, bounds, capture_after_a_step, cuda_kernels_reason, make_splits, needs_cuda_kernels
 
 INDEX_PATTERNS = ("routing", "unmapped_rows", "out_of_range", "one_row")
 
@@ -140,8 +140,8 @@ def test_gathered_ops_equal_plain_ops_on_gathered_rows(backend, pattern):
 # ---- GPU: the core's gathered kernels ---------------------------------------
 
 
-CUDA_REASON = cuda_kernels_reason(_core.CAP_GATHERED_GEMM, "the gathered GEMMs")
-needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"gathered kernels unavailable: {CUDA_REASON}")
+CUDA_REASON = cuda_kernels_reason(_core.CAP_GATHERED_GEMM, "gathered GEMMs")
+needs_kernels = needs_cuda_kernels(_core.CAP_GATHERED_GEMM, "gathered GEMMs")
 
 if CUDA_REASON is None:
     from moe_grouped.gemm import cuda_backend

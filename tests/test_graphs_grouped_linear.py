@@ -13,6 +13,8 @@ import moe_grouped.graphs as graphs
 from moe_grouped import GroupedLinear
 from moe_grouped.graphs import splits, testing
 
+from cases import skip_without_cuda_kernels
+
 pytestmark = pytest.mark.gpu
 
 E, K, N, M = 8, 128, 256, 1024
@@ -22,9 +24,7 @@ GRAPH_SAFE_BACKENDS = ("torch", "cuda")
 def need(backend: str) -> torch.dtype:
     """Skips a backend this machine cannot run; returns the dtype to test it in."""
     if backend == "cuda":
-        reason = moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda"))
-        if reason is not None:
-            pytest.skip(f"cuda backend unavailable: {reason}")
+        skip_without_cuda_kernels()
     return torch.bfloat16
 
 

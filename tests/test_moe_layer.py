@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch.nn.functional import silu
 
-import moe_grouped
 from moe_grouped import GroupedMLP, MoELayer
 
-from cases import calc_diff
+from cases import calc_diff, gpu_backends
 
 
 def reference(layer, x, experts, dout, aux_coeff, z_coeff, kept=None):
@@ -197,13 +196,6 @@ def test_bad_input_shape_is_refused():
     layer = MoELayer(8, 6, 4, 2)
     with pytest.raises(ValueError, match=r"\[tokens, 8\] or \[batch, seq, 8\]"):
         layer(torch.randn(4, 7))
-
-
-def gpu_backends():
-    names = ["torch"]
-    if torch.cuda.is_available() and moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
-    return names
 
 
 # Token dropping options of the GPU layer tests: dropless, and capacity with each policy.

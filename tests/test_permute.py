@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from moe_grouped import permute, unpermute
-from moe_grouped.permute import cuda_unavailable_reason
+import cases
+from moe_grouped import _core, permute, unpermute
 
 ROUTINGS = ("random", "zero_token_experts", "all_to_one", "one_per_expert")
 
@@ -134,11 +134,9 @@ def test_bad_arguments_are_refused(call, error, message):
         call()
 
 
-def gpu_backends():
-    names = ["torch"]
-    if torch.cuda.is_available() and cuda_unavailable_reason(torch.device("cuda")) is None:
-        names.append("cuda")
-    return names
+def gpu_backends() -> list[str]:
+    """The permutation's GPU backends: torch, and cuda where its kernels run."""
+    return cases.gpu_backends(_core.CAP_PERMUTE, "permute kernels")
 
 
 @pytest.mark.gpu

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 import moe_grouped
-from moe_grouped import permute, unpermute
-from moe_grouped.permute import cuda_unavailable_reason, expert_capacity, permuted_rows
+from moe_grouped import _core, permute, unpermute
+from moe_grouped.permute import expert_capacity, permuted_rows
+
+from cases import skip_without_cuda_kernels
 
 E = 4
 EXPERTS = [[0, 1], [2, 9], [3, -1], [1, 1], [0, 3], [-7, 4]]  # 9, -1, -7 and 4 are outside [0, 4)
@@ -159,9 +161,7 @@ def test_torch_backend_unpermute_treats_a_bad_row_as_dropped():
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=str)
 def test_gpu_backends_drop_them(backend, dtype, index_dtype):
     if backend == "cuda":
-        reason = cuda_unavailable_reason(torch.device("cuda"))
-        if reason:
-            pytest.skip(reason)
+        skip_without_cuda_kernels(_core.CAP_PERMUTE, "permute kernels")
     check_drops(backend, "cuda", dtype, index_dtype)
 
 

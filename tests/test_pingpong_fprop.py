@@ -33,14 +33,14 @@ from moe_grouped import _core
 from moe_grouped.activation import swiglu
 from moe_grouped._tensors import gather_rows
 
-from cases import SPLIT_PATTERNS, capture_after_a_step, cuda_kernels_reason, make_splits
+from cases import SPLIT_PATTERNS, capture_after_a_step, cuda_kernels_reason, make_splits, needs_cuda_kernels
 from test_gathered_gemm import INDEX_PATTERNS, load_routing, make_index
 
 FPROP_ENV = "MOE_GROUPED_GEMM_FPROP"
 
 
-CUDA_REASON = cuda_kernels_reason(_core.CAP_FPROP_SWIGLU, "fc1 + SwiGLU")
-needs_kernels = pytest.mark.skipif(CUDA_REASON is not None, reason=f"ping-pong fprop unavailable: {CUDA_REASON}")
+CUDA_REASON = cuda_kernels_reason(_core.CAP_FPROP_SWIGLU, "fc1 + SwiGLU kernels")
+needs_kernels = needs_cuda_kernels(_core.CAP_FPROP_SWIGLU, "fc1 + SwiGLU kernels")
 
 if CUDA_REASON is None:
     from moe_grouped.gemm import cuda_backend

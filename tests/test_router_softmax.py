@@ -5,6 +5,8 @@ import torch
 
 from moe_grouped import Router, _core, routing
 
+from cases import skip_without_cuda_kernels
+
 ROUTERS = {  # name: Router options that take the kernels, and the weights mode they map to
     "topk_then_softmax": (dict(topk_before_softmax=True), routing.SOFTMAX_CHOSEN),
     "softmax_normalized": (dict(normalize_topk=True), routing.SOFTMAX_CHOSEN),
@@ -12,13 +14,6 @@ ROUTERS = {  # name: Router options that take the kernels, and the weights mode 
     "softmax_scaled": (dict(normalize_topk=True, scaling_factor=2.5), routing.SOFTMAX_CHOSEN),
     "plain_scaled": (dict(normalize_topk=False, scaling_factor=0.75), routing.SOFTMAX_ALL),
 }
-
-
-def gpu_kernels_or_skip():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    if not routing.cuda_backend._CORE_HAS_SOFTMAX:
-        pytest.skip(f"core without mg_route_softmax: {_core.unavailable_reason or 'built before it'}")
 
 
 def composed(monkeypatch, router, x):
@@ -73,7 +68,7 @@ def assert_grads_close(got, want, what):
 @pytest.mark.parametrize("num_experts,top_k", [(8, 2), (60, 6), (128, 8), (160, 1), (1024, 32)])
 @pytest.mark.parametrize("tokens", [1, 257, 4096])
 def test_kernels_match_the_torch_composition(monkeypatch, name, num_experts, top_k, tokens):
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     options, mode = ROUTERS[name]
     torch.manual_seed(tokens + num_experts)
     router = Router(256, num_experts, top_k, dtype=torch.bfloat16, device="cuda", **options)
@@ -102,7 +97,7 @@ def test_kernels_match_the_torch_composition(monkeypatch, name, num_experts, top
 @pytest.mark.parametrize("used", ["weights", "aux_loss", "z_loss", "logits"])
 def test_each_gradient_alone(monkeypatch, used):
     """Backward with only one output reached: the others' gradients are None in the kernel."""
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     router = Router(128, 64, 4, dtype=torch.bfloat16, device="cuda", normalize_topk=False)
     x = torch.randn(1000, 128, device="cuda", dtype=torch.bfloat16)
     grads = []
@@ -118,7 +113,7 @@ def test_each_gradient_alone(monkeypatch, used):
 
 @pytest.mark.gpu
 def test_tied_logits_pick_the_lower_experts_and_split_evenly():
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     router = Router(64, 16, 4, dtype=torch.bfloat16, device="cuda", topk_before_softmax=True)
     out = router(torch.zeros(33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True))
     assert out.experts.tolist() == [[0, 1, 2, 3]] * 33
@@ -129,7 +124,7 @@ def test_tied_logits_pick_the_lower_experts_and_split_evenly():
 
 @pytest.mark.gpu
 def test_no_tokens():
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     router = Router(64, 16, 4, dtype=torch.bfloat16, device="cuda")
     x = torch.zeros(0, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     out = router(x)
@@ -142,7 +137,7 @@ def test_no_tokens():
 
 @pytest.mark.gpu
 def test_deterministic():
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     router = Router(512, 128, 8, dtype=torch.bfloat16, device="cuda", topk_before_softmax=True)
     x = torch.randn(16384, 512, device="cuda", dtype=torch.bfloat16)
     runs = []
@@ -158,7 +153,7 @@ def test_deterministic():
 
 @pytest.mark.gpu
 def test_graph_replays_with_new_tokens_equal_eager():
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     router = Router(256, 128, 8, dtype=torch.bfloat16, device="cuda", topk_before_softmax=True)
     static_x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -200,7 +195,7 @@ def test_graph_replays_with_new_tokens_equal_eager():
 @pytest.mark.parametrize("mode", [routing.SOFTMAX_CHOSEN, routing.SOFTMAX_ALL])
 def test_backward_fp32_output_is_what_the_bf16_halves_round(mode):
     """out_dtype fp32 writes d logits itself; bf16's [hi | lo] are its rounding and the remainder's."""
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     torch.manual_seed(0)
     tokens, num_experts, top_k, scaling = 777, 64, 6, 1.5
     logits = torch.randn(tokens, num_experts, device="cuda") * 3
@@ -221,7 +216,7 @@ def test_backward_fp32_output_is_what_the_bf16_halves_round(mode):
 
 @pytest.mark.gpu
 def test_core_refuses_bad_arguments():
-    gpu_kernels_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_softmax")
     logits = torch.randn(4, 8, device="cuda")
     with pytest.raises(ValueError, match="top_k"):
         torch.ops.moe_grouped.route_softmax(logits, 9, 0, 1.0)

@@ -6,6 +6,8 @@ import torch
 from moe_grouped import _core
 from moe_grouped.routing import choose_experts, cuda_backend
 
+from cases import skip_without_cuda_kernels
+
 NAN, INF = float("nan"), float("inf")
 
 
@@ -64,11 +66,6 @@ def test_float64_and_bf16_scores_use_the_same_rule():
         assert experts.tolist() == [[3, 1, 2, 0]], dtype
 
 
-def gpu_kernel_or_skip():
-    if not (_core.available() and cuda_backend._CORE_HAS_TOPK):
-        pytest.skip(f"the core's route_topk kernel is not loaded: {_core.unavailable_reason or 'no mg_route_topk'}")
-
-
 def scores_of(pattern, tokens, num_experts, gen):
     scores = torch.randn(tokens, num_experts, device="cuda", generator=gen)
     if pattern == "ties":  # few distinct values: most comparisons are ties
@@ -91,7 +88,7 @@ def scores_of(pattern, tokens, num_experts, gen):
 @pytest.mark.parametrize("pattern", ["random", "ties", "nan_inf", "constant", "signed_zero"])
 def test_kernel_equals_the_stable_sort(num_experts, top_k, pattern):
     """mg_route_topk == the stable descending sort, bitwise, counts included."""
-    gpu_kernel_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_topk")
     top_k = min(top_k, num_experts)
     gen = torch.Generator(device="cuda").manual_seed(num_experts * 100 + top_k)
     for tokens in (0, 1, 7, 4097):
@@ -105,7 +102,7 @@ def test_kernel_equals_the_stable_sort(num_experts, top_k, pattern):
 
 @pytest.mark.gpu
 def test_kernel_limits_fall_back_to_the_sort():
-    gpu_kernel_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_topk")
     scores = torch.randn(64, 1025, device="cuda")
     assert not cuda_backend.topk_applies(scores, 8)
     assert not cuda_backend.topk_applies(scores[:, :64].contiguous(), 33)
@@ -117,7 +114,7 @@ def test_kernel_limits_fall_back_to_the_sort():
 
 @pytest.mark.gpu
 def test_kernel_refuses_out_of_range_arguments():
-    gpu_kernel_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_topk")
     scores = torch.randn(4, 8, device="cuda")
     with pytest.raises(ValueError, match="top_k"):
         torch.ops.moe_grouped.route_topk(scores, 9, True)
@@ -127,7 +124,7 @@ def test_kernel_refuses_out_of_range_arguments():
 
 @pytest.mark.gpu
 def test_kernel_replays_in_a_graph_with_new_scores():
-    gpu_kernel_or_skip()
+    skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_topk")
     static = torch.randn(2048, 128, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -5,9 +5,10 @@ import torch
 from torch.nn.functional import silu
 
 import moe_grouped
-from moe_grouped.activation import cuda_unavailable_reason, resolve_backend, swiglu
+from moe_grouped import _core
+from moe_grouped.activation import resolve_backend, swiglu
 
-from cases import capture_after_a_step
+from cases import capture_after_a_step, skip_without_cuda_kernels
 
 
 def composed(h):
@@ -61,12 +62,6 @@ def test_default_backend_on_cpu_is_reference():
     assert resolve_backend(None, torch.device("cpu")) == "reference"
 
 
-def require_cuda_kernels():
-    reason = cuda_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
-
-
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 # (rows, ffn): 16-byte packs, odd widths (element path), one row, many rows.
 SHAPES = [(1, 8), (7, 3), (33, 100), (1000, 1408), (4096, 2048), (3, 1)]
@@ -76,7 +71,7 @@ SHAPES = [(1, 8), (7, 3), (33, 100), (1000, 1408), (4096, 2048), (3, 1)]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows, ffn", SHAPES)
 def test_cuda_equals_the_composed_ops(dtype, rows, ffn):
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     torch.manual_seed(rows * 31 + ffn)
     h = (torch.randn(rows, 2 * ffn, device="cuda") * 3).to(dtype)
     dy = torch.randn(rows, ffn, device="cuda").to(dtype)
@@ -94,7 +89,7 @@ def test_cuda_equals_the_composed_ops(dtype, rows, ffn):
 
 @pytest.mark.gpu
 def test_cuda_handles_views_leading_dims_and_unaligned_storage():
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     torch.manual_seed(2)
     base = torch.randn(2, 9, 2 * 64 + 1, device="cuda", dtype=torch.bfloat16)
     for h in (base[..., 1:], base[:, ::2, :128], base.reshape(-1)[1 : 1 + 6 * 128].view(6, 128)):
@@ -111,14 +106,14 @@ def test_cuda_handles_views_leading_dims_and_unaligned_storage():
 
 @pytest.mark.gpu
 def test_cuda_refuses_float64():
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         swiglu(torch.randn(2, 4, device="cuda", dtype=torch.float64), backend="cuda")
 
 
 @pytest.mark.gpu
 def test_cuda_empty_input():
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     h = torch.empty(0, 16, device="cuda", requires_grad=True)
     out = swiglu(h, backend="cuda")
     assert out.shape == (0, 8)
@@ -130,7 +125,7 @@ def test_cuda_empty_input():
 @pytest.mark.parametrize("shape", [(0,), (2, 0), (0, 3, 0)], ids=str)
 def test_cuda_zero_width_input(shape):
     """Found by the GPU fuzz: a last dimension of 0 made the kernel's [-1, 0] view ambiguous."""
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     h = torch.empty(shape, device="cuda", requires_grad=True)
     out = swiglu(h, backend="cuda")
     assert out.shape == shape
@@ -140,7 +135,7 @@ def test_cuda_zero_width_input(shape):
 
 @pytest.mark.gpu
 def test_cuda_replays_in_a_graph_with_new_inputs():
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     static_h = torch.randn(256, 2 * 96, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(256, 96, device="cuda", dtype=torch.bfloat16)
 
@@ -168,7 +163,7 @@ def test_cuda_replays_in_a_graph_with_new_inputs():
 
 @pytest.mark.gpu
 def test_grouped_mlp_uses_its_backend_for_swiglu():
-    require_cuda_kernels()
+    skip_without_cuda_kernels(_core.CAP_SWIGLU, "SwiGLU kernels")
     torch.manual_seed(3)
     mlps = [
         moe_grouped.GroupedMLP(4, 64, 96, single_grouped_weight=True, dtype=torch.bfloat16, device="cuda",

@@ -230,7 +230,8 @@ def wgrad(
 
 # "fused" runs fc2's dgrad and the weighted SwiGLU backward as one kernel;
 # the default, "unfused", runs the plain dgrad and the standalone pass, which
-# measured 1.6-1.9x as fast (csrc/gemm/sm90_swiglu_backward_epilogue.cuh).
+# measured 1.6-1.9x as fast on the H100 (docs/kernels.md, "SwiGLU-backward
+# epilogue").
 # Same dg and wh either way, bitwise.
 DGRAD_SWIGLU_ENV = "MOE_GROUPED_DGRAD_SWIGLU"
 
