@@ -421,11 +421,26 @@ def require() -> ctypes.CDLL:
     return lib
 
 
+# CUDA runtime errors that mean this machine has no GPU the core can use.
+_NO_GPU_ERRORS = {
+    "cudaErrorNoDevice": "no CUDA GPU is visible",
+    "cudaErrorInsufficientDriver": "no usable NVIDIA driver (none installed, or older than the core's CUDA runtime)",
+}
+
+
 def check(status: int) -> None:
     """Raises the exception matching a non-zero ``mg_status``."""
     if status == OK:
         return
     message = lib.mg_last_error().decode(errors="replace") or f"core call failed with status {status}"
+    if status == ERROR_CUDA:
+        for name, what in _NO_GPU_ERRORS.items():
+            if f"({name})" in message:
+                raise CoreError(
+                    status,
+                    f"no GPU: {what}, and the moe_grouped CUDA core needs one; on the CPU use the "
+                    f"'reference' or 'torch' backend (the CUDA runtime said: {message})",
+                )
     if status == ERROR_CAPTURE:
         raise CaptureError(status, message)
     if status == ERROR_UNSUPPORTED:

@@ -46,9 +46,28 @@ def test_errors_carry_the_core_message():
 
 @needs_core
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
-def test_no_gpu_is_reported_as_a_cuda_error():
-    with pytest.raises(_core.CoreError, match="cudaGetDeviceCount"):
+def test_no_gpu_is_reported_as_such_with_the_cuda_message():
+    with pytest.raises(_core.CoreError, match=r"^no GPU: .*cudaGetDeviceCount failed") as error:
         workspace.stats(0, 0)
+    assert error.value.status == _core.ERROR_CUDA
+
+
+@pytest.mark.parametrize("cuda_error", ["cudaErrorNoDevice", "cudaErrorInsufficientDriver"])
+def test_no_gpu_errors_say_so(monkeypatch, cuda_error):
+    """The core's message for a machine without a usable GPU (as it reads on one) becomes "no GPU: ..."."""
+    message = f"cudaGetDeviceCount failed: some runtime text ({cuda_error})"
+
+    class Library:
+        def mg_last_error(self):
+            return message.encode()
+
+    monkeypatch.setattr(_core, "lib", Library())
+    with pytest.raises(_core.CoreError, match=r"^no GPU: .*'reference' or 'torch' backend") as error:
+        _core.check(_core.ERROR_CUDA)
+    assert message in str(error.value)
+    message = "cudaMalloc failed: out of memory (cudaErrorMemoryAllocation)"  # other CUDA errors stay as they are
+    with pytest.raises(_core.CoreError, match=r"^cudaMalloc failed"):
+        _core.check(_core.ERROR_CUDA)
 
 
 def test_info_command_reports_the_build():
