@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIBRARY_ENV = "MOE_GROUPED_CORE_LIB"
 
 # mg_status
@@ -212,6 +212,10 @@ _PROTOTYPES = {
         [_vp, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
          ctypes.c_int, _vp, _vp, _vp],
     ),
+    "mg_zero_rows_past_splits": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int, ctypes.c_int64, _vp, ctypes.c_int64, ctypes.c_int, _vp],
+    ),
     # Grouped GEMMs: present only when the core was built with them.
     "mg_grouped_gemm_workspace_size": (
         ctypes.c_int,
@@ -339,14 +343,15 @@ _PROTOTYPES = {
     # Expert-parallel dispatch and combine: present only when built with csrc/ep.
     "mg_ep_dispatch": (ctypes.c_int, [ctypes.POINTER(EpGroup), ctypes.POINTER(EpDispatchArgs), _vp]),
     "mg_ep_combine": (ctypes.c_int, [ctypes.POINTER(EpGroup), ctypes.POINTER(EpCombineArgs), _vp]),
+    "mg_ep_plan_scratch_bytes": (ctypes.c_size_t, [ctypes.c_int64, ctypes.c_int]),
     "mg_ep_plan": (
         ctypes.c_int,
-        [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, _vp, _vp, _vp, _vp],
+        [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp],
     ),
     "mg_swiglu_weighted_backward": (
         ctypes.c_int,
         [_vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp,
-         _vp, _vp],
+         _vp, ctypes.c_int, _vp],
     ),
 }
 _REQUIRED = ("mg_last_error", "mg_abi_version", "mg_build_info", "mg_capabilities")

@@ -32,7 +32,8 @@ def short(name: str) -> str:
     """A kernel's name cut to what tells it apart (CUTLASS's GEMMs by their layouts)."""
     if "GemmUniversal" in name:
         return f"cutlass GEMM ({name.count('RowMajor')} RowMajor, {name.count('ColumnMajor')} ColumnMajor, len {len(name)})"
-    return name.split("(")[0].replace("moe_grouped::", "").replace("(anonymous namespace)::", "")[:90]
+    name = name.replace("(anonymous namespace)::", "").replace("moe_grouped::", "")
+    return name.split("(")[0].split("<")[0][:90]
 
 
 def main() -> None:

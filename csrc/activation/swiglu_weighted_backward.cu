@@ -36,9 +36,8 @@ constexpr int64_t kMaxBlocks = 4096;
 
 // The rows that hold real copies: the clamped sum of m_splits, cut at `rows`
 // (offsets[num_groups] of the setup kernel). No m_splits: every row. Rows at
-// or past it (e.g. the tail of a capacity-limited buffer) get dg = 0, wh = 0,
-// dprob = 0: the outputs are fully defined without reading rows no expert
-// computed.
+// or past it (e.g. the tail of a capacity-limited buffer) get dprob = 0 and,
+// with zero_tail, dg = 0 and wh = 0, without reading rows no expert computed.
 template <typename SplitT>
 __device__ int64_t real_rows(const SplitT* m_splits, int num_groups, int64_t rows) {
   if (m_splits == nullptr) return rows;
@@ -64,7 +63,7 @@ template <typename T, int V, typename SplitT>
 __global__ void __launch_bounds__(kThreads)
     swiglu_weighted_backward_kernel(const T* dh_u, const T* g, const float* __restrict__ weights,
                                     const SplitT* __restrict__ m_splits, int num_groups, int64_t rows,
-                                    int64_t ffn, T* dg, T* wh, float* __restrict__ dprob) {
+                                    int64_t ffn, T* dg, T* wh, float* __restrict__ dprob, bool zero_tail) {
   const int64_t total = real_rows(m_splits, num_groups, rows);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kWarpSize;
@@ -73,6 +72,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t gate_row = row * 2 * ffn;
     const int64_t half_row = row * ffn;
     if (row >= total) {
+      if (dprob != nullptr && lane == 0) dprob[row] = 0.f;
+      if (!zero_tail) continue;
       Pack<T, V> zero;
 #pragma unroll
       for (int j = 0; j < V; ++j) zero.v[j] = from_float<T>(0.f);
@@ -81,7 +82,6 @@ __global__ void __launch_bounds__(kThreads)
         store_pack<T, V>(dg + gate_row + ffn + col, zero);
         store_pack<T, V>(wh + half_row + col, zero);
       }
-      if (dprob != nullptr && lane == 0) dprob[row] = 0.f;
       continue;
     }
     const float w = weights != nullptr ? weights[row] : 1.f;
@@ -149,7 +149,7 @@ using namespace moe_grouped;
 extern "C" mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g, const float* weights,
                                                  const void* m_splits, mg_dtype splits_dtype, int num_groups,
                                                  mg_dtype dtype, int64_t rows, int64_t ffn, void* dg, void* wh,
-                                                 float* dprob, void* stream) {
+                                                 float* dprob, int zero_tail, void* stream) {
   MG_RETURN_IF_ERROR(check_args(dtype, rows, ffn, splits_dtype, m_splits, num_groups, {dh_u, g, dg, wh}));
   if (rows == 0) return ok();
   if (ffn == 0) {  // empty rows: only dprob, all zero
@@ -167,7 +167,7 @@ extern "C" mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g
           <<<grid_for(rows), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
               static_cast<const T*>(dh_u), static_cast<const T*>(g), weights,
               static_cast<const SplitT*>(m_splits), num_groups, rows, ffn, static_cast<T*>(dg),
-              static_cast<T*>(wh), dprob);
+              static_cast<T*>(wh), dprob, zero_tail != 0);
     };
     auto with_splits = [&](auto vector) {
       if (splits_dtype == MG_INT32 && m_splits != nullptr) {

@@ -62,8 +62,10 @@ def weighted_backward_into(
     dg: torch.Tensor,
     wh: torch.Tensor,
     dprob: torch.Tensor,
+    zero_tail: bool = True,
 ) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob`` (which may be ``g``, ``dh_u``: in place)."""
+    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob`` (which may be ``g``, ``dh_u``: in place).
+    Rows past the sum of ``m_splits``: dprob 0, and dg, wh 0 with ``zero_tail`` (else not written)."""
     rows, ffn = dh_u.shape
     if rows == 0:
         return
@@ -75,6 +77,6 @@ def weighted_backward_into(
                 _core.dtype_code(m_splits.dtype if m_splits is not None else torch.int64),
                 0 if m_splits is None else m_splits.shape[0],
                 _core.dtype_code(g.dtype), rows, ffn, dg.data_ptr(), wh.data_ptr(), dprob.data_ptr(),
-                _core.stream_handle(g.device),
+                int(zero_tail), _core.stream_handle(g.device),
             )
         )

@@ -95,13 +95,16 @@ def swiglu_weighted_backward_(
 
     The fused experts path uses this so that its backward holds no
     [rows, 2 * ffn] or [rows, ffn] buffer beyond the two it already has.
+    Rows past the sum of ``m_splits`` get dprob 0; their g and dh_u may be
+    left as they are (nothing reads past the sum; a capacity's tail can be
+    most of the buffer).
     Bumps the version of ``g``, so a second backward through a graph that
     saved ``g`` fails loudly instead of reading dg.
     """
     if not (dh_u.is_contiguous() and g.is_contiguous()):
         raise ValueError("swiglu_weighted_backward_ works in place and needs contiguous dh_u and g")
     weights = None if weights is None else weights.contiguous()
-    backend_module(backend).weighted_backward_into(dh_u, g, weights, m_splits, g, dh_u, dprob)
+    backend_module(backend).weighted_backward_into(dh_u, g, weights, m_splits, g, dh_u, dprob, zero_tail=False)
 
 
 @swiglu_weighted_backward_.register_fake

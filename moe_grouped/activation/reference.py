@@ -56,8 +56,10 @@ def weighted_backward_into(
     dg: torch.Tensor,
     wh: torch.Tensor,
     dprob: torch.Tensor,
+    zero_tail: bool = True,
 ) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``, reading the counts on the host, the plain way."""
+    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``, reading the counts on the host, the plain way.
+    Rows past the counts get zeros whatever ``zero_tail`` says (which lets the core skip them)."""
     rows = dh_u.shape[0]
     if m_splits is None:
         real_rows = rows

@@ -26,8 +26,10 @@ def weighted_backward_into(
     dg: torch.Tensor,
     wh: torch.Tensor,
     dprob: torch.Tensor,
+    zero_tail: bool = True,
 ) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``; the counts are summed on the device."""
+    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``; the counts are summed on the device.
+    Rows past the counts get zeros whatever ``zero_tail`` says (which lets the core skip them)."""
     rows = dh_u.shape[0]
     real_rows = rows if m_splits is None else m_splits.to(torch.int64).clamp(0, rows).sum().clamp(max=rows)
     reference.write_weighted_backward(dh_u, g, weights, real_rows, dg, wh, dprob)

@@ -67,7 +67,7 @@ def make_pair(experts: int, options: dict, **ep_options):
     """One MoELayer holding all experts (same seed on every rank) and two EP layers loaded from it."""
     torch.manual_seed(0)
     common = dict(dtype=DTYPE, device="cuda", backend=backend(), **options)
-    ref = MoELayer(HIDDEN, FFN, experts, TOP_K, experts_path="unfused", **common)
+    ref = MoELayer(HIDDEN, FFN, experts, TOP_K, **common)  # the experts path the EP layers take
     layers = {
         name: ExpertParallelMoELayer(HIDDEN, FFN, experts, TOP_K, transport=name, max_tokens=TOKENS, **common,
                                      **ep_options).load_from(ref)

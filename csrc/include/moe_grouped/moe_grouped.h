@@ -40,7 +40,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration below changes meaning. */
-#define MG_ABI_VERSION 2
+#define MG_ABI_VERSION 3
 
 typedef enum mg_status {
   MG_OK = 0,
@@ -131,6 +131,15 @@ MG_API mg_status mg_grouped_setup(const void* m_splits, mg_dtype splits_dtype,
                                   int64_t n, int64_t k, mg_gemm_kind kind,
                                   int64_t* offsets, int32_t* problem_shapes,
                                   void* stream);
+
+/* Zeros rows [end, total_rows) of out (row_bytes each, on `device`), end
+ * being the sum of the counts clamped as above (mg_grouped_setup's
+ * offsets[num_groups]): the rows past a short m_splits belong to no expert,
+ * and the grouped ops give zeros there. Rows before `end` are not touched;
+ * with no such rows the kernel only reads m_splits.                       */
+MG_API mg_status mg_zero_rows_past_splits(const void* m_splits, mg_dtype splits_dtype,
+                                          int num_groups, int64_t total_rows, void* out,
+                                          int64_t row_bytes, int device, void* stream);
 
 /* ---- grouped GEMMs (bf16 / fp16 operands, fp32 accumulation) ------------
  * A grouped operand is either one contiguous [E, rows, cols] tensor (base,
@@ -492,11 +501,14 @@ MG_API mg_status mg_swiglu_backward(const void* dy, const void* h, mg_dtype dtyp
  * rounded like mg_swiglu_backward with dy = dtype(w * dh_u). dg may equal g
  * and wh may equal dh_u (in place). m_splits (int32 or int64, num_groups
  * entries, on the device; may be NULL for all rows): rows at or past their
- * clamped sum get dg = 0, wh = 0, dprob = 0. Deterministic.               */
+ * clamped sum get dprob = 0 and, with zero_tail, dg = 0 and wh = 0 (without,
+ * they are not written: callers whose readers stop at the sum save the pass
+ * over a capacity's tail). Deterministic.                                  */
 MG_API mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g, const float* weights,
                                              const void* m_splits, mg_dtype splits_dtype,
                                              int num_groups, mg_dtype dtype, int64_t rows,
                                              int64_t ffn, void* dg, void* wh, float* dprob,
+                                             int zero_tail,
                                              void* stream);
 
 /* ---- expert parallelism within a node (MG_CAP_EP_TRANSPORT) -------------
@@ -561,10 +573,12 @@ MG_API mg_status mg_ep_combine(const mg_ep_group* group, const mg_ep_combine_arg
  * owns one of its experts, in token order: pos[t, r] its row in the
  * segment for r (-1: none), index[r, p] the token of row p (-1 past the
  * count), counts[r] the rows (at most segment_rows; the caller keeps every
- * destination within it). One CTA.                                          */
+ * destination within it). scratch: mg_ep_plan_scratch_bytes, device memory
+ * the call uses in between its two kernels only.                          */
+MG_API size_t mg_ep_plan_scratch_bytes(int64_t num_tokens, int world_size);
 MG_API mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int top_k, int experts_per_rank,
                             int world_size, int64_t segment_rows, int32_t* pos, int32_t* index,
-                            int32_t* counts, void* stream);
+                            int32_t* counts, int32_t* scratch, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
