@@ -127,7 +127,7 @@ def normalize_splits(
     anyway): then their values too, non-negative and summing to at most
     ``total_rows`` -- a device ``m_splits`` may cover fewer rows than the
     buffer (``permute`` with a capacity: the rows past the sum belong to no
-    expert).
+    expert, and the grouped ops give zeros there; see :mod:`moe_grouped.gemm`).
     """
     if device.type == "cuda" and device.index is None:  # device="cuda" names the current GPU (cuda:0 != cuda)
         device = torch.device("cuda", torch.cuda.current_device())

@@ -46,6 +46,17 @@ def offsets_with_zero(m_splits: torch.Tensor, total_rows: int) -> torch.Tensor:
     return torch.cat([ends.new_zeros(1), ends])
 
 
+def zero_rows_past_splits_(out: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """Zeros the rows of ``out`` at or past the sum of ``m_splits`` (clamped as in
+    :func:`end_offsets`), in place, with device ops only (no host sync; capturable)."""
+    rows = out.shape[0]
+    if rows == 0 or out.numel() == 0:
+        return out
+    end = end_offsets(m_splits, rows)[-1]
+    past = torch.arange(rows, device=out.device) >= end
+    return out.masked_fill_(past.view(-1, *([1] * (out.dim() - 1))), 0)
+
+
 def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Row ``index[r]`` of ``source`` for every r, zeros where the index is outside [0, rows).
 

@@ -157,7 +157,11 @@ class GroupedLinear(nn.Module):
             default, resolved at each call).
 
     ``m_splits`` is a device tensor of E int32/int64 counts (graph-safe; never
-    read on the host) or a list of ints (validated on the host).
+    read on the host) or a list of ints (validated on the host). A device
+    ``m_splits`` may sum to fewer than the M rows: the rows past the sum
+    belong to no expert, their output and input gradient are zeros and they
+    add nothing to the parameter gradients (on every backend). A list must
+    sum to M.
     """
 
     def __init__(

@@ -15,6 +15,14 @@ parameter) or E tensors of shape [N, K]. ``m_splits`` is a device tensor
 (validated on the host). Each op runs on the backend named by ``backend``
 (``"reference"``, ``"torch"`` or ``"cuda"``) or on the device's default.
 
+Rows past the splits: a device ``m_splits`` may sum to fewer than the rows M
+(a buffer sized for the worst case, e.g. ``permute`` with a capacity). The
+rows at or past the sum belong to no expert: :func:`grouped_fprop` and
+:func:`grouped_dgrad` return zeros there (bias or not), and
+:func:`grouped_wgrad` and :func:`grouped_dbias` ignore them, so the input
+gradient of those rows is zero too. The same on every backend, without a
+host read. A list ``m_splits`` must sum to M exactly.
+
 The ops are ``torch.library`` custom ops (``torch.ops.moe_grouped.*``) with
 fake implementations, so meta tensors and torch.compile see their shapes.
 """

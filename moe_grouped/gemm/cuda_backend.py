@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 
 from .. import _core
-from .._tensors import gather_rows, gathered_operands, is_grouped_layout
+from .._tensors import gather_rows, gathered_operands, is_grouped_layout, zero_rows_past_splits_
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -148,6 +148,22 @@ def workspace_size(
     return size.value
 
 
+def _zero_rows_past_splits(out: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """``out`` with its rows past the sum of ``m_splits`` zeroed by the core, which writes those
+    rows only (a core built before ``mg_zero_rows_past_splits``: a masked pass over ``out``)."""
+    lib = _core.require()
+    if not hasattr(lib, "mg_zero_rows_past_splits"):
+        return zero_rows_past_splits_(out, m_splits)
+    _core.check(
+        lib.mg_zero_rows_past_splits(
+            m_splits.data_ptr(), _core.dtype_code(m_splits.dtype), m_splits.shape[0], out.shape[0],
+            out.data_ptr(), out.stride(0) * out.element_size(), _core.device_index(out.device),
+            _core.stream_handle(out.device),
+        )
+    )
+    return out
+
+
 def fprop(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
@@ -174,7 +190,7 @@ def fprop(
             _core.stream_handle(x.device),
         )
     )
-    return y
+    return _zero_rows_past_splits(y, m_splits)
 
 
 def dgrad(
@@ -196,7 +212,7 @@ def dgrad(
             _core.stream_handle(dy.device),
         )
     )
-    return dx
+    return _zero_rows_past_splits(dx, m_splits)
 
 
 def wgrad(

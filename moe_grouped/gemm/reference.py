@@ -35,7 +35,7 @@ def fprop(
 ) -> torch.Tensor:
     acc = compute_dtype(x.dtype)
     n = expert_matrix(weights, 0).shape[0]
-    y = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    y = torch.zeros(x.shape[0], n, dtype=out_dtype, device=x.device)  # rows past the splits stay 0
     for e, (start, end) in enumerate(_host_bounds(m_splits, x.shape[0])):
         rows = x[start:end].to(acc) @ expert_matrix(weights, e).to(acc).t()
         if bias is not None:
@@ -49,7 +49,7 @@ def dgrad(
 ) -> torch.Tensor:
     acc = compute_dtype(dy.dtype)
     k = expert_matrix(weights, 0).shape[1]
-    dx = torch.empty(dy.shape[0], k, dtype=out_dtype, device=dy.device)
+    dx = torch.zeros(dy.shape[0], k, dtype=out_dtype, device=dy.device)  # rows past the splits stay 0
     for e, (start, end) in enumerate(_host_bounds(m_splits, dy.shape[0])):
         dx[start:end] = (dy[start:end].to(acc) @ expert_matrix(weights, e).to(acc)).to(out_dtype)
     return dx

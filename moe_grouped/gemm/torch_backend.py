@@ -3,7 +3,9 @@
 Graph-safe: the group boundaries are computed on the device from
 ``m_splits`` and nothing reads them on the host. The separate-weights layout
 is stacked into one [E, N, K] tensor per call (a copy), so that layout is
-slower here than in the ``cuda`` backend.
+slower here than in the ``cuda`` backend. ``torch._grouped_mm`` leaves the
+rows past the last group unwritten; fprop and dgrad zero them with a masked
+pass over the output.
 """
 
 from __future__ import annotations
@@ -12,7 +14,14 @@ from typing import Optional, Sequence
 
 import torch
 
-from .._tensors import end_offsets, expert_matrix, is_grouped_layout, offsets_with_zero, stacked
+from .._tensors import (
+    end_offsets,
+    expert_matrix,
+    is_grouped_layout,
+    offsets_with_zero,
+    stacked,
+    zero_rows_past_splits_,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,7 +84,7 @@ def fprop(
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0], x.dtype))
     if bias is not None:
         y = y + bias.index_select(0, _group_of_rows(m_splits, x.shape[0], x.device))
-    return y.to(out_dtype)
+    return zero_rows_past_splits_(y.to(out_dtype), m_splits)
 
 
 def dgrad(
@@ -86,7 +95,7 @@ def dgrad(
     if dy.shape[0] == 0:  # torch._grouped_mm refuses an empty operand
         return dy.new_zeros(0, stacked(weights).shape[2], dtype=out_dtype)
     dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0], dy.dtype))
-    return dx.to(out_dtype)
+    return zero_rows_past_splits_(dx.to(out_dtype), m_splits)
 
 
 def wgrad(
