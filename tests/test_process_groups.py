@@ -33,6 +33,17 @@ def _rank_one_raises(rank: int, init_method: str) -> None:
         raise ValueError("rank 1 gives up")
 
 
+def _rank_one_cannot_exit(rank: int, init_method: str) -> None:
+    """Returns, but leaves what would block the interpreter's exit: a non-daemon thread that never ends
+    and an atexit handler that never returns (the shape of the DDP test's old hang)."""
+    if rank == 1:
+        import atexit
+        import threading
+
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+        atexit.register(time.sleep, 3600)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_meet_through_the_file_store(world):
     spawn_group(_sum_ranks, world, (world,), timeout_s=120)
@@ -44,10 +55,16 @@ def test_a_hang_fails_with_the_ranks_stacks():
         spawn_group(_rank_one_hangs, 2, timeout_s=20)
     message = str(failure.value)
     assert "did not finish in 20 s" in message
-    assert "_rank_one_hangs" in message and "--- rank 1:" in message, message
+    assert "_rank_one_hangs" in message and "--- rank 1 (in its worker):" in message, message
     assert time.monotonic() - start < 60
 
 
 def test_a_raising_rank_fails_with_its_error():
     with pytest.raises(Exception, match="rank 1 gives up"):
         spawn_group(_rank_one_raises, 2, timeout_s=120)
+
+
+def test_a_rank_whose_worker_returned_exits_even_if_its_teardown_would_hang():
+    start = time.monotonic()
+    spawn_group(_rank_one_cannot_exit, 2, timeout_s=120)
+    assert time.monotonic() - start < 100
