@@ -29,10 +29,22 @@ def check_name(backend: Optional[str]) -> Optional[str]:
     return backend
 
 
+def assume_constant_result(fn: Callable) -> Callable:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo.
+
+    torch's decorator imports ``torch._dynamo`` (about 2 s) just to set the
+    attribute Dynamo reads when it traces a call to ``fn``; setting it here
+    keeps that import out of ``import moe_grouped``
+    (tests/test_import.py checks both).
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # A constant for the process (the core loaded at import, the GPU's
 # architecture): torch.compile evaluates it once while tracing instead of
 # tracing the device queries.
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def core_kernels_unavailable_reason(device: torch.device, capability: int, kernels: str) -> Optional[str]:
     """Why the core's ``kernels`` (the family behind ``capability``, a
     ``_core.CAP_*`` bit) cannot run on ``device``, or None if they can."""
