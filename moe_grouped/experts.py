@@ -114,7 +114,7 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
         index = source_rows(row_id_map, plan.top_k, plan.num_rows)
         return torch.ops.moe_grouped.grouped_fprop_gathered(tokens, index, w1, m_splits, dtype, gemm)
     xp = _gather(plan, tokens, row_id_map)
-    return torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm)
+    return torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm, False)
 
 
 def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m_splits: torch.Tensor,
@@ -200,7 +200,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
         dtype, gemm = tokens.dtype, plan.gemm_backend
         g, h = _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
-        y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm)
+        # Rows past the experts' (a capacity's tail) are read by nothing here: not zeroed.
+        y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm, False)
         del h
         if plan.routed:
             y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
@@ -235,7 +236,7 @@ class FusedExpertsFunction(torch.autograd.Function):
             dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
         dx = None
         if needs[0]:
-            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm)
+            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm, False)
             if plan.routed:
                 dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
             else:

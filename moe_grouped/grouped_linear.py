@@ -52,7 +52,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         params, main_grads = tensors[: spec.num_params], tensors[spec.num_params :]
         weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
         bias = _stack_biases(biases) if spec.has_bias else None
-        y = torch.ops.moe_grouped.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend)
+        y = torch.ops.moe_grouped.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend, True)
         ctx.save_for_backward(x, m_splits, *params)
         # Not saved tensors: other micro-batches accumulate into them before
         # this backward runs, which the saved-tensor version check would refuse.
@@ -70,7 +70,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend)
+            dx = torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend, True)
         param_grads = [None] * len(params)
         if any(ctx.needs_input_grad[4 : 4 + spec.num_params]):
             if spec.delay_wgrad_compute:

@@ -45,7 +45,7 @@ def expert_weights(layout: str, experts: int, hidden: int, ffn: int) -> list[tor
 
 def composed(dy, weights, m_splits, g, w):
     """The plain cuda dgrad, then the standalone cuda pass: (dg, wh, dprob)."""
-    dh_u = torch.ops.moe_grouped.grouped_dgrad(dy, weights, m_splits, dy.dtype, "cuda")
+    dh_u = torch.ops.moe_grouped.grouped_dgrad(dy, weights, m_splits, dy.dtype, "cuda", True)
     return swiglu_weighted_backward(dh_u, g, w, m_splits, backend="cuda")
 
 

@@ -553,3 +553,23 @@ def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_ran
         want = steps["local"](x, dout)
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{replay=}: output {i} differs (calc_diff {calc_diff(a.float(), b.float())})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [0, 1, 255, 256, 1000, 8192, 70001])
+@pytest.mark.parametrize("ep,ne,top_k", [(1, 8, 2), (2, 64, 8), (3, 4, 6), (4, 32, 8), (16, 2, 4)])
+def test_gpu_plan_kernel_equals_the_torch_plan(tokens, ep, ne, top_k):
+    from moe_grouped.parallel.plan import make_plan, plan_kernel_unavailable_reason
+
+    reason = plan_kernel_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    generator = torch.Generator(device="cuda").manual_seed(tokens + ep)
+    experts = torch.randint(0, ep * ne, (tokens, top_k), device="cuda", generator=generator)
+    experts[torch.rand(experts.shape, device="cuda", generator=generator) < 0.1] = -1
+    for segment_rows in (max(tokens, 1), max(tokens // 3, 1)):
+        got = make_plan(experts, ne, ep, segment_rows)
+        want = plan_torch(experts, ne, ep, segment_rows)
+        case = f"{tokens=} {ep=} {ne=} {top_k=} {segment_rows=}"
+        for name in ("pos", "index", "counts"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), f"{name}: {case}"

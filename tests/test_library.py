@@ -19,9 +19,9 @@ def test_meta_tensors_get_shapes():
     x = torch.empty(12, 8, device="meta")
     w = [torch.empty(3, 4, 8, device="meta")]
     splits = torch.empty(3, dtype=torch.int64, device="meta")
-    y = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, "torch")
+    y = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, "torch", True)
     assert y.shape == (12, 4) and y.device.type == "meta"
-    dx = torch.ops.moe_grouped.grouped_dgrad(torch.empty(12, 4, device="meta"), w, splits, torch.float32, "torch")
+    dx = torch.ops.moe_grouped.grouped_dgrad(torch.empty(12, 4, device="meta"), w, splits, torch.float32, "torch", True)
     assert dx.shape == (12, 8)
     db = torch.ops.moe_grouped.grouped_dbias(torch.empty(12, 4, device="meta"), splits, 3, torch.float32, "torch")
     assert db.shape == (3, 4)
@@ -34,7 +34,7 @@ def test_fake_tensor_mode_shapes():
         x = torch.empty(20, 16, dtype=torch.bfloat16)
         w = [torch.empty(16, 16, dtype=torch.bfloat16) for _ in range(4)]
         splits = torch.empty(4, dtype=torch.int32)
-        y = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, "torch")
+        y = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, "torch", True)
         assert y.shape == (20, 16) and y.dtype == torch.float32
 
 
@@ -43,9 +43,9 @@ def test_fake_tensor_mode_shapes():
 def test_opcheck(backend, layout):
     x, weights, splits = problem(layout=layout)
     bias = torch.randn(3, 4)
-    torch.library.opcheck(torch.ops.moe_grouped.grouped_fprop, (x, weights, splits, bias, torch.float32, backend))
+    torch.library.opcheck(torch.ops.moe_grouped.grouped_fprop, (x, weights, splits, bias, torch.float32, backend, True))
     dy = torch.randn(12, 4)
-    torch.library.opcheck(torch.ops.moe_grouped.grouped_dgrad, (dy, weights, splits, torch.float32, backend))
+    torch.library.opcheck(torch.ops.moe_grouped.grouped_dgrad, (dy, weights, splits, torch.float32, backend, True))
     out = [torch.zeros(3, 4, 8)] if layout == "grouped" else [torch.zeros(4, 8) for _ in range(3)]
     torch.library.opcheck(torch.ops.moe_grouped.grouped_wgrad_, (dy, x, splits, out, True, backend))
     torch.library.opcheck(torch.ops.moe_grouped.grouped_dbias, (dy, splits, 3, torch.float32, backend))
@@ -92,7 +92,7 @@ def test_compile_sees_shapes():
 
     @torch.compile(backend="eager", fullgraph=True)
     def f(x, w, s):
-        return torch.ops.moe_grouped.grouped_fprop(x, w, s, None, torch.float32, "torch") * 2
+        return torch.ops.moe_grouped.grouped_fprop(x, w, s, None, torch.float32, "torch", True) * 2
 
     torch.testing.assert_close(f(x, weights, splits), 2 * gemm.grouped_fprop(x, weights, splits, backend="torch"))
 

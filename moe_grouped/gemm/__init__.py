@@ -83,7 +83,7 @@ def grouped_fprop(
                 f"got shape {tuple(bias.shape)} and dtype {bias.dtype}"
             )
     return torch.ops.moe_grouped.grouped_fprop(
-        x, list(weights), splits, bias, out_dtype or x.dtype, name
+        x, list(weights), splits, bias, out_dtype or x.dtype, name, True
     )
 
 
@@ -100,7 +100,7 @@ def grouped_dgrad(
     _, n, _, splits, name = _prepare("dy", dy, weights, m_splits, backend)
     if dy.shape[1] != n:
         raise ValueError(f"dy has {dy.shape[1]} features but the weights have out_features={n}")
-    return torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), splits, out_dtype or dy.dtype, name)
+    return torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), splits, out_dtype or dy.dtype, name, True)
 
 
 def grouped_wgrad(

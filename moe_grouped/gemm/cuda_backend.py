@@ -170,6 +170,8 @@ def fprop(
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, x.dtype)
@@ -190,11 +192,12 @@ def fprop(
             _core.stream_handle(x.device),
         )
     )
-    return _zero_rows_past_splits(y, m_splits)
+    return _zero_rows_past_splits(y, m_splits) if zero_tail else y
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, dy.dtype)
@@ -212,7 +215,7 @@ def dgrad(
             _core.stream_handle(dy.device),
         )
     )
-    return _zero_rows_past_splits(dx, m_splits)
+    return _zero_rows_past_splits(dx, m_splits) if zero_tail else dx
 
 
 def wgrad(

@@ -47,28 +47,32 @@ def grouped_fprop(
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     backend: str,
+    zero_tail: bool,
 ) -> torch.Tensor:
+    """``zero_tail``: the rows past the sum of ``m_splits`` are zeros (False: not written, for callers
+    that read only the experts' rows, e.g. the fused experts path with a capacity's worst-case buffer)."""
     with nvtx.range(f"moe_grouped.fprop[{backend}]"):
-        return backend_module(backend).fprop(x, weights, m_splits, bias, out_dtype)
+        return backend_module(backend).fprop(x, weights, m_splits, bias, out_dtype, zero_tail=zero_tail)
 
 
 @grouped_fprop.register_fake
-def _(x, weights, m_splits, bias, out_dtype, backend):
+def _(x, weights, m_splits, bias, out_dtype, backend, zero_tail):
     return x.new_empty(x.shape[0], weights[0].shape[-2], dtype=out_dtype)
 
 
 def _fprop_setup_context(ctx, inputs, output):
-    x, weights, m_splits, bias, _, backend = inputs
+    x, weights, m_splits, bias, _, backend, _ = inputs
     ctx.save_for_backward(x, m_splits, *weights)
     ctx.has_bias = bias is not None
-    ctx.backend = backend
+    ctx.backend, ctx.zero_tail = backend, inputs[6]
 
 
 def _fprop_backward(ctx, grad_y):
     x, m_splits, *weights = ctx.saved_tensors
     grad_y = grad_y.to(x.dtype).contiguous()
     needs_x, needs_w, _, needs_bias = ctx.needs_input_grad[:4]
-    dx = torch.ops.moe_grouped.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend) if needs_x else None
+    dx = (torch.ops.moe_grouped.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend, ctx.zero_tail)
+          if needs_x else None)
     dw = None
     if needs_w:
         # One [E, N, K] output even for separate weights (see grouped_linear).
@@ -80,7 +84,7 @@ def _fprop_backward(ctx, grad_y):
         db = torch.ops.moe_grouped.grouped_dbias(
             grad_y, m_splits, num_groups_of(weights), x.dtype, ctx.backend
         )
-    return dx, dw, None, db, None, None
+    return dx, dw, None, db, None, None, None
 
 
 grouped_fprop.register_autograd(_fprop_backward, setup_context=_fprop_setup_context)
@@ -93,13 +97,15 @@ def grouped_dgrad(
     m_splits: torch.Tensor,
     out_dtype: torch.dtype,
     backend: str,
+    zero_tail: bool,
 ) -> torch.Tensor:
+    """``zero_tail``: as :func:`grouped_fprop`'s."""
     with nvtx.range(f"moe_grouped.dgrad[{backend}]"):
-        return backend_module(backend).dgrad(dy, weights, m_splits, out_dtype)
+        return backend_module(backend).dgrad(dy, weights, m_splits, out_dtype, zero_tail=zero_tail)
 
 
 @grouped_dgrad.register_fake
-def _(dy, weights, m_splits, out_dtype, backend):
+def _(dy, weights, m_splits, out_dtype, backend, zero_tail):
     return dy.new_empty(dy.shape[0], weights[0].shape[-1], dtype=out_dtype)
 
 
@@ -125,7 +131,8 @@ def grouped_dgrad_swiglu_(
     with nvtx.range(f"moe_grouped.dgrad_swiglu[{backend}]"):
         if backend == "cuda" and activation_backend == "cuda" and cuda_backend.dgrad_swiglu_fuses(dy, g):
             return cuda_backend.dgrad_swiglu(dy, weights, m_splits, g, routing_weights)
-        dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype)
+        # Its tail (past the sum) becomes wh's, which nothing reads: not zeroed.
+        dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype, zero_tail=False)
         dprob = g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
         torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
         return dh_u, dprob

@@ -32,7 +32,10 @@ def fprop(
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
+    """Rows past the splits are zeros whatever ``zero_tail`` says (it lets other backends skip them)."""
     acc = compute_dtype(x.dtype)
     n = expert_matrix(weights, 0).shape[0]
     y = torch.zeros(x.shape[0], n, dtype=out_dtype, device=x.device)  # rows past the splits stay 0
@@ -45,8 +48,10 @@ def fprop(
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
+    """Rows past the splits are zeros whatever ``zero_tail`` says."""
     acc = compute_dtype(dy.dtype)
     k = expert_matrix(weights, 0).shape[1]
     dx = torch.zeros(dy.shape[0], k, dtype=out_dtype, device=dy.device)  # rows past the splits stay 0

@@ -75,6 +75,8 @@ def fprop(
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
+    *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     _check_group_count(m_splits)
     w = stacked(weights)
@@ -84,18 +86,21 @@ def fprop(
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0], x.dtype))
     if bias is not None:
         y = y + bias.index_select(0, _group_of_rows(m_splits, x.shape[0], x.device))
-    return zero_rows_past_splits_(y.to(out_dtype), m_splits)
+    y = y.to(out_dtype)
+    return zero_rows_past_splits_(y, m_splits) if zero_tail else y
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     _check_group_count(m_splits)
     _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=stacked(weights).shape[2])
     if dy.shape[0] == 0:  # torch._grouped_mm refuses an empty operand
         return dy.new_zeros(0, stacked(weights).shape[2], dtype=out_dtype)
     dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0], dy.dtype))
-    return zero_rows_past_splits_(dx.to(out_dtype), m_splits)
+    dx = dx.to(out_dtype)
+    return zero_rows_past_splits_(dx, m_splits) if zero_tail else dx
 
 
 def wgrad(
