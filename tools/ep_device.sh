@@ -7,7 +7,7 @@
 #   sanitize   a short ep 2 run of ep_suite under compute-sanitizer memcheck
 #   bench      benchmarks/expert_parallel.py on 1, 2 and 4 GPUs (EP_SMS: --sms sweep)
 #   profile    tools/ep_profile.py on 2 GPUs and on 1 (EP_PROFILE_ARGS: its options)
-#   example    examples/train_moe.py --ep 4 --compare-eager --steps 200 (graphs vs eager)
+#   example    examples/train_moe.py --ep N --compare-eager --steps 200 (graphs vs eager; N = min(GPUs, 4))
 #   gpu-tests  the single-GPU test suite, its files spread over the visible GPUs
 # Logs and results go to $OUT (at most 8 files come back).
 set -uo pipefail
@@ -57,8 +57,9 @@ for phase in "$@"; do
         TAIL=60 run "profile$n" $torchrun_n "$n" tools/ep_profile.py ${EP_PROFILE_ARGS:-}
       done ;;
     example)
-      TAIL=6 run example4 $torchrun_n 4 examples/train_moe.py --device cuda --ep 4 --compare-eager --steps 200 \
-        --log-every 50 --sample 0 ;;
+      n=$(( gpus < 4 ? gpus : 4 ))
+      TAIL=6 run "example$n" $torchrun_n "$n" examples/train_moe.py --device cuda --ep "$n" --compare-eager \
+        --steps 200 --log-every 50 --sample 0 ;;
     gpu-tests)
       mapfile -t files < <(ls tests/test_*.py | grep -v multi_gpu)
       for ((g = 0; g < gpus; g++)); do
