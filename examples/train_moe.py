@@ -11,14 +11,18 @@ the Python documentation topics behind ``help()`` (``pydoc_data.topics``,
 about 700 KB, from the Python Language Reference and Library docs; PSF
 license). Characters are the tokens.
 
-    python examples/train_moe.py                          # CPU, reference backend, ~1 minute
+    python examples/train_moe.py                          # CPU, reference backend: 1 minute on 2 idle cores*
     python examples/train_moe.py --device cuda            # the GPU's default backends
     python examples/train_moe.py --device cuda --graphs   # whole step in one CUDA graph
     python examples/train_moe.py --device cuda --compare-eager --steps 100  # graph vs eager losses
-    python examples/train_moe.py --fp8                    # FP8 block-scaled experts (emulated on CPU)
+    python examples/train_moe.py --fp8                    # FP8 block-scaled experts (emulated on CPU: 8 minutes*)
     python examples/train_moe.py --checkpoint lm.pt       # save; run again with --resume to go on
     python examples/train_moe.py --plot loss.png          # loss curve (needs matplotlib)
     torchrun --nproc-per-node 2 examples/train_moe.py --device cuda --ep 2   # experts over 2 GPUs
+
+    * 1500 steps on a 2-core x86 machine, lightly loaded (load average 1 to
+      2.5): 54 s and 451 s of training. Other work on the cores stretches
+      them (the first took 335 s at load 5).
 
 On the GPU the model computes in bfloat16 and the optimizer steps fp32 master
 copies of the parameters (``--no-master-weights`` steps the bfloat16
