@@ -517,7 +517,7 @@ def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_ran
                    router_options=dict(normalize_topk=True))
     tokens, hidden = 384, 128
     local = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="local", **options)
-    peer = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="peer", max_tokens=tokens, **options)
+    peer = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="peer", max_tokens=tokens, overlap_sms=8, **options)
     peer.load_state_dict(local.state_dict())
     def train_step(layer):
         params = list(layer.parameters())

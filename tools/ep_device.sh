@@ -45,8 +45,8 @@ for phase in "$@"; do
       run sanitize $torchrun_n 2 --no-python compute-sanitizer --tool memcheck --error-exitcode 7 \
         python3 tests/multi_gpu/ep_suite.py --replays 4 --quick ;;
     bench)
-      sms=${EP_SMS:+--sms $EP_SMS}
-      for n in 4 2 1; do
+      sms="${EP_SMS:+--sms $EP_SMS} ${EP_BENCH_ARGS:-}"
+      for n in ${EP_BENCH_GPUS:-4 2 1}; do
         [ "$gpus" -ge "$n" ] || continue
         TAIL=40 run "bench$n" $torchrun_n "$n" benchmarks/expert_parallel.py $sms
       done
@@ -65,7 +65,8 @@ for phase in "$@"; do
       for ((g = 0; g < gpus; g++)); do
         part=()
         for ((i = g; i < ${#files[@]}; i += gpus)); do part+=("${files[i]}"); done
-        CUDA_VISIBLE_DEVICES=$g python3 -m pytest -q -p no:cacheprovider "${part[@]}" \
+        CUDA_VISIBLE_DEVICES=$g timeout -k 10 "${RUN_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
+          "${part[@]}" \
           > "$OUT/gpu_tests$g.log" 2>&1 &
       done
       wait

@@ -134,9 +134,9 @@ class ExpertParallelMoELayer(nn.Module):
     the group (``capacity`` must be the same on every rank); a later forward
     with more tokens is refused.
 
-    Overlap (``peer``): in backward, the combine of the input gradient runs on
-    a side stream with ``overlap_sms`` CTAs beside the experts' fc1 weight
-    gradient, whose GEMM then takes the device's other SMs.
+    Overlap (``peer``, ``overlap_sms`` > 0): in backward, the combine of the
+    input gradient runs on a side stream with ``overlap_sms`` CTAs beside the
+    experts' fc1 weight gradient, whose GEMM then takes the device's other SMs.
 
     Args:
         hidden, ffn_hidden, num_experts, top_k: as :class:`MoELayer`;
@@ -149,7 +149,9 @@ class ExpertParallelMoELayer(nn.Module):
         max_tokens: the most tokens one forward takes on this rank (sizes
             the buffers); default: the first forward's; the group's largest.
         num_sms, overlap_sms: CTAs of the ``peer`` transport's calls (default:
-            all SMs) and of the combine it overlaps (default 16; 0: no overlap).
+            all SMs) and of the backward's combine when it runs beside fc1's
+            weight gradient (default 0: it does not; measured slower at ep 2,
+            docs/expert-parallel.md).
         router_options, shared_expert_ffn_hidden, aux_loss_coeff,
             z_loss_coeff, capacity_factor, drop_policy, bias,
             single_grouped_weight, fuse_wgrad_accumulation,
@@ -172,7 +174,7 @@ class ExpertParallelMoELayer(nn.Module):
         capacity: Optional[int] = None,
         max_tokens: Optional[int] = None,
         num_sms: Optional[int] = None,
-        overlap_sms: int = 16,
+        overlap_sms: int = 0,
         router_options: Optional[dict[str, Any]] = None,
         shared_expert_ffn_hidden: Optional[int] = None,
         aux_loss_coeff: float = 0.0,

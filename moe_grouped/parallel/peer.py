@@ -65,7 +65,7 @@ class PeerTransport(Transport):
     ``num_sms``: CTAs of a call, one per SM (default: every SM: the calls the
     layer does not overlap have the GPU to themselves); ``overlap_sms``: CTAs
     of the combine that runs beside the experts' weight gradient, whose GEMM
-    then takes the other SMs (0: the layer does not overlap it).
+    then takes the other SMs (default 0: the layer does not overlap it).
     """
 
     name = "peer"
@@ -73,7 +73,7 @@ class PeerTransport(Transport):
 
     def __init__(self, group: dist.ProcessGroup, ep_size: int, segment_rows: int, *, max_tokens: int,
                  hidden: int, dtype: torch.dtype, top_k: int, device, num_sms: Optional[int] = None,
-                 overlap_sms: int = 16):
+                 overlap_sms: int = 0):
         super().__init__(group, ep_size, segment_rows)
         device = torch.device(device)
         reason = peer_unavailable_reason(device)
