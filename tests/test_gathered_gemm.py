@@ -123,9 +123,9 @@ def test_gathered_ops_equal_plain_ops_on_gathered_rows(backend, pattern):
     xp, dyp = gather_rows(x, index), gather_rows(dout, index)
 
     assert torch.equal(ops.grouped_fprop_gathered(x, index, w, m_splits, x.dtype, backend),
-                       ops.grouped_fprop(xp, w, m_splits, None, x.dtype, backend))
+                       ops.grouped_fprop(xp, w, m_splits, None, x.dtype, backend, True))
     assert torch.equal(ops.grouped_dgrad_gathered(dout, index, w, m_splits, x.dtype, backend),
-                       ops.grouped_dgrad(dyp, w, m_splits, x.dtype, backend))
+                       ops.grouped_dgrad(dyp, w, m_splits, x.dtype, backend, True))
     h = torch.randn(rows, k, generator=gen)
     for dy, dy_index, xx, x_index in ((dout, index, h, None), (dyp, None, x, index), (dout, index, x, index)):
         got = torch.full((num_experts, n, k), float("nan"))

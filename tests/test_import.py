@@ -24,11 +24,6 @@ def modules_after(statement: str) -> set[str]:
     return set(result.stdout.split())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="moe_grouped/fp8/linear.py decorates _capability with torch.compiler.assume_constant_result, which "
-           "imports torch._dynamo; it should use moe_grouped.backends.assume_constant_result (remove this mark then)",
-)
 def test_import_loads_no_heavy_module():
     torch_modules = modules_after("import torch")
     loaded = modules_after("import torch, moe_grouped") - torch_modules

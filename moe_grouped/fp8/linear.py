@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .. import _core
+from .. import _core, backends
 from .._tensors import num_groups_of
 from . import gemm
 from .quantize import quantize_grouped, quantize_weights_128x128
@@ -60,7 +60,7 @@ def check_supported(backend: str, x: torch.Tensor, n: int, k: int) -> None:
             )
 
 
-@torch.compiler.assume_constant_result
+@backends.assume_constant_result
 def _capability(device: torch.device) -> tuple[int, int]:
     """The device's compute capability: fixed, so torch.compile may fold the host query."""
     return torch.cuda.get_device_capability(device)
