@@ -297,19 +297,18 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
  *     partial run costs the memory a read-modify-write);
  *   scale_inv_t[scale_rows, cols] fp32, scale_rows = ceil(rows / 128) + E:
  *     scale_inv_t[b_e + j, c] = block j (tokens [128 j, 128 j + 128)) of
- *     group e, column c: per group a packed [ceil(m_e / 128), cols] matrix;
- *   dbias[E, cols] fp32 (may be NULL): the column sums of each group in
- *     fp32, zero for an empty group. Deterministic: per 128-token block, each
- *     16-token segment is summed in token order, the eight segment sums
- *     pairwise ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); block sums
- *     j = w, w + 8, ... are added in order into eight running sums w = 0..7,
- *     which are then added in order w = 0..7.
+ *     group e, column c: per group a packed [ceil(m_e / 128), cols] matrix.
  * Columns of qt past p_E and rows of scale_inv_t that no group owns are not
- * written.
- * Only dbias needs scratch memory: the block starts ((E + 1) int64) and
- * per-block column sums ((ceil(rows / 128) + E) * cols fp32) live in the
- * (device, workspace_slot) workspace; size it with one eager call before
- * capture. Without dbias the workspace is not touched.                     */
+ * written.                                                                 */
+/* dbias[E, cols] fp32 (may be NULL): the column sums of each group in fp32,
+ * zero for an empty group. Deterministic: per 128-token block, each 16-token
+ * segment is summed in token order, the eight segment sums pairwise
+ * ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)); block sums j = w, w + 8,
+ * ... are added in order into eight running sums w = 0..7, which are then
+ * added in order w = 0..7. Only dbias needs scratch memory: the block starts
+ * ((E + 1) int64) and per-block column sums ((ceil(rows / 128) + E) * cols
+ * fp32) live in the (device, workspace_slot) workspace; size it with one
+ * eager call before capture. Without dbias the workspace is not touched.   */
 MG_API mg_status mg_quantize_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt,
