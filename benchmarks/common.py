@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import pathlib
 import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+NUM_INPUTS = 4  # distinct (x, dout) pairs a layer's steps cycle through: new routing every step
 
 
 def gpu_tag() -> str:
@@ -56,6 +60,21 @@ def time_ms(fn, *, warmup: int = 5, repeats: int = 30, flush: L2Flush | None = N
     return statistics.median(run_ms(fn, flush) for _ in range(repeats))
 
 
+def wall_ms(step, steps: int = 10) -> float:
+    """Milliseconds per step of ``steps`` steps issued back to back."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3 / steps
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def graphed(fn, *, warmup: int = 3):
     """``fn`` captured once in a CUDA graph; returns the replay callable.
 
@@ -89,6 +108,89 @@ def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dic
     return times
 
 
+@dataclass
+class Shape:
+    """An MoE layer's sizes and the tokens of one step; ``label`` names its result rows."""
+
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    top_k: int
+    tokens: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
+
+    def flops(self) -> float:
+        """The expert GEMMs of one training step: fc1 (2 * ffn outputs) and fc2, forward, dgrad and wgrad."""
+        return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
+
+
+def step_inputs(size: tuple, seed: int = 1, x_requires_grad: bool = False) -> list[tuple]:
+    """:data:`NUM_INPUTS` pairs (x, dout) of bf16 ``torch.randn`` of ``size`` on the GPU, from one generator."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        (torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(x_requires_grad),
+         torch.randn(*size, device="cuda", dtype=torch.bfloat16, generator=gen))
+        for _ in range(NUM_INPUTS)
+    ]
+
+
+class Steps:
+    """Training steps of ``module`` on its cycled ``inputs`` (a subclass defines ``fwd_bwd(x, dout)``).
+
+    :meth:`eager` runs the next pair; :meth:`replay_of` a step captured with
+    ``moe_grouped.graphs.capture_step``, which copies the next pair in and
+    replays. Both walk the same cycle.
+    """
+
+    def __init__(self, module, inputs):
+        self.inputs = inputs
+        self.params = list(module.parameters())
+        self.index = 0
+
+    def clear_grads(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def next_inputs(self) -> tuple:
+        x, dout = self.inputs[self.index % NUM_INPUTS]
+        self.index += 1
+        return x, dout
+
+    def eager(self) -> None:
+        self.fwd_bwd(*self.next_inputs())
+
+    def first_eager_s(self) -> float:
+        """Seconds of one :meth:`eager` step to its end (a slow backend's first step: whether to time it)."""
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        self.eager()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def replay_of(self, static):
+        def replay() -> None:
+            static(*self.next_inputs())  # copies the new inputs into the graph's buffers, replays
+
+        return replay
+
+
+def step_row(bench: str, shape: Shape, backend: str, step, flush: L2Flush, repeats: int, note: str = "",
+             **extra) -> dict:
+    """The ``fwd_bwd`` row of ``step`` (one training step of ``shape``): the median ms of ``repeats`` timed
+    steps, the expert GEMMs' TFLOP/s, ``wall_ms`` back to back, then ``extra``; printed with ``note``."""
+    ms = time_ms(step, warmup=3, repeats=repeats, flush=flush)
+    wall = wall_ms(step)
+    row = {"bench": bench, "op": "fwd_bwd", "shape": shape.label, "splits": "router", "backend": backend,
+           "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1), "wall_ms": round(wall, 4), **extra}
+    print(f"  {backend:<20} {ms:9.3f} ms  {row['tflops']:7.1f} TFLOP/s  (back to back {wall:8.3f} ms/step){note}",
+          flush=True)
+    return row
+
+
 def median_rows(times: dict, flops: float, bench: str, op: str, shape: str, splits: str) -> list[dict]:
     """One result row per backend of ``timed_rounds``' times: the median ms and the TFLOP/s of ``flops``
     per run."""
@@ -98,6 +200,25 @@ def median_rows(times: dict, flops: float, bench: str, op: str, shape: str, spli
         rows.append({"bench": bench, "op": op, "shape": shape, "splits": splits, "backend": backend,
                      "ms": round(ms, 5), "tflops": round(flops / ms / 1e9, 2)})
     return rows
+
+
+def round_rows(runs: dict, rounds: int, flush: L2Flush, label: str, flops: float, bench: str, op: str, shape: str,
+               splits: str, note=lambda times: "") -> list[dict]:
+    """``median_rows`` of ``runs`` timed in ``rounds`` interleaved rounds of 3 runs each, printed as
+    ``<label>: <backend> <ms> ...<note(times)>``."""
+    times = timed_rounds(runs, rounds, flush, per_round=3)
+    rows = median_rows(times, flops, bench, op, shape, splits)
+    print_medians(label, rows, note(times))
+    return rows
+
+
+def speed(times: dict, backend: str, against: str) -> float:
+    """How many times as fast as ``against`` ``backend`` ran: the ratio of their median ms in ``times``."""
+    return statistics.median(times[against]) / statistics.median(times[backend])
+
+
+def print_medians(label: str, rows: list[dict], note: str = "") -> None:
+    print(f"{label}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows) + note, flush=True)
 
 
 def cli(doc: str, shapes=None, *, rounds: bool = False) -> argparse.ArgumentParser:

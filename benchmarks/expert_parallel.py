@@ -59,18 +59,19 @@ os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
 os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
 
-import gc  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from common import L2Flush, cli, graphed, prologue, time_ms, write_results  # noqa: E402
+import common  # noqa: E402
+from common import (  # noqa: E402
+    L2Flush, Shape, cli, free_memory, graphed, prologue, step_inputs, time_ms, wall_ms, write_results,
+)
 
 import moe_grouped  # noqa: E402
 from moe_grouped import graphs  # noqa: E402
@@ -80,27 +81,10 @@ from moe_grouped.parallel.plan import encode_routes, make_plan  # noqa: E402
 
 DTYPE = torch.bfloat16
 TOKENS = 8192
-NUM_INPUTS = 4  # distinct inputs the steps cycle through: new routing every step
-WALL_STEPS = 10
-
-
-@dataclass
-class Shape:
-    name: str
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-    tokens: int = TOKENS
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
-
 
 SHAPES = [
-    Shape("qwen3_30b", 2048, 768, 128, 8),
-    Shape("dsv2_lite", 2048, 1408, 64, 6),
+    Shape("qwen3_30b", 2048, 768, 128, 8, TOKENS),
+    Shape("dsv2_lite", 2048, 1408, 64, 6, TOKENS),
 ]
 
 
@@ -126,11 +110,6 @@ def say(*args) -> None:
         print(*args, flush=True)
 
 
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def make_layer(shape: Shape, backend: str, transport: str, **options) -> ExpertParallelMoELayer:
     torch.manual_seed(0)
     return ExpertParallelMoELayer(
@@ -141,21 +120,7 @@ def make_layer(shape: Shape, backend: str, transport: str, **options) -> ExpertP
 
 
 def make_inputs(shape: Shape, rank: int):
-    gen = torch.Generator(device="cuda").manual_seed(1 + rank)
-    return [
-        (torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen),
-         torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
-        for _ in range(NUM_INPUTS)
-    ]
-
-
-def wall_ms(step, steps: int = WALL_STEPS) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / steps
+    return step_inputs((shape.tokens, shape.hidden), seed=1 + rank)
 
 
 class Recorder:
@@ -276,41 +241,34 @@ def time_nccl(shape, moved, record) -> None:
     free_memory()
 
 
-def time_steps(layer, inputs, record, graphed_only: bool = False) -> None:
-    """The layer's forward + backward on new inputs each step, eager and (capturable transports) graphed."""
-    params = list(layer.parameters())
-    index = [0]
+class Steps(common.Steps):
+    """Training steps of the EP layer over the cycled inputs, with the input's gradient."""
 
-    def fwd_bwd(x, dout):
-        for p in params:
-            p.grad = None
+    def __init__(self, layer, inputs):
+        super().__init__(layer, inputs)
+        self.layer = layer
+
+    def fwd_bwd(self, x, dout):
+        self.clear_grads()
         x = x.detach().requires_grad_(True)  # a layer inside a model: its input's gradient is needed
-        out = layer(x)
+        out = self.layer(x)
         out.backward(dout)
         return out.detach(), x.grad
 
-    def eager():
-        x, dout = inputs[index[0] % NUM_INPUTS]
-        index[0] += 1
-        fwd_bwd(x, dout)
 
+def time_steps(layer, inputs, record, graphed_only: bool = False) -> None:
+    """The layer's forward + backward on new inputs each step, eager and (capturable transports) graphed."""
+    steps = Steps(layer, inputs)
     if not graphed_only:
         torch.cuda.reset_peak_memory_stats()
-        row = record("fwd_bwd", "eager", eager)
+        row = record("fwd_bwd", "eager", steps.eager)
         row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
     if layer.transport is None or layer.transport.capturable:
-        for p in params:
-            p.grad = None
+        steps.clear_grads()
         free_memory()
-        static = graphs.capture_step(fwd_bwd, inputs[0][0].clone(), inputs[0][1].clone())
-
-        def replay():
-            x, dout = inputs[index[0] % NUM_INPUTS]
-            index[0] += 1
-            static(x, dout)
-
+        static = graphs.capture_step(steps.fwd_bwd, inputs[0][0].clone(), inputs[0][1].clone())
         torch.cuda.reset_peak_memory_stats()
-        row = record("fwd_bwd", "graphed", replay)
+        row = record("fwd_bwd", "graphed", steps.replay_of(static))
         row["peak_mib"] = round(torch.cuda.max_memory_allocated() / 2**20)
         del static
 

@@ -31,6 +31,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from common import L2Flush, cli, graphed, print_table, prologue, time_ms, write_results  # noqa: E402
+# (E, M, K, N) of the grouped GEMM benchmark's GEMMs (the first two are Mixtral's).
+from grouped_gemm import SHAPES as GEMM_SHAPES  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 
@@ -109,16 +111,6 @@ def weight_rows(flush: L2Flush) -> list[dict]:
 
 
 # ---- FP8 grouped GEMMs and the FP8 GroupedLinear step ----------------------
-
-# (E, M, K, N) of the grouped GEMM benchmark; the first two are Mixtral's.
-GEMM_SHAPES = [
-    (8, 16384, 4096, 14336),
-    (8, 16384, 14336, 4096),
-    (32, 32768, 7168, 2048),
-    (32, 32768, 2048, 7168),
-    (128, 32768, 2048, 1408),
-]
-
 
 def _gemm_row(op, shape, splits, backend, ms, flops) -> dict:
     return {"bench": "fp8", "op": op, "shape": shape, "splits": splits, "backend": backend, "ms": ms,

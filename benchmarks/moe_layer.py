@@ -73,7 +73,6 @@ dy and h, write dh) = 8 * T * top_k * ffn * 2 bytes.
 
 from __future__ import annotations
 
-import gc
 import pathlib
 import sys
 import time
@@ -84,7 +83,11 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import moe_grouped  # noqa: E402
-from common import L2Flush, cli, graphed, median_rows, prologue, run_ms, time_ms, write_results  # noqa: E402
+import common  # noqa: E402
+from common import (  # noqa: E402
+    L2Flush, cli, free_memory, graphed, median_rows, print_medians, prologue, run_ms, step_inputs, step_row, time_ms,
+    write_results,
+)
 from moe_grouped import MoELayer, graphs, permute, unpermute  # noqa: E402
 from moe_grouped.permute import cuda_unavailable_reason as permute_cuda_unavailable_reason  # noqa: E402
 from moe_grouped.activation import cuda_unavailable_reason as swiglu_cuda_unavailable_reason  # noqa: E402
@@ -93,13 +96,7 @@ from moe_grouped.moe_layer import _AttachAuxLoss  # noqa: E402
 
 
 @dataclass
-class Shape:
-    name: str
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-    tokens: int
+class Shape(common.Shape):
     router: dict = field(default_factory=dict)
     aux_loss_coeff: float = 1e-2
     repeats: int = 20
@@ -109,12 +106,7 @@ class Shape:
 
     @property
     def label(self) -> str:
-        if self.named:
-            return self.name
-        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
-
-    def flops(self) -> float:
-        return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
+        return self.name if self.named else super().label
 
 
 SHAPES = [
@@ -140,9 +132,7 @@ EXPERTS_PATH_SHAPES = [
 ]
 EXPERTS_PATH_BACKENDS = ["cuda_fused", "cuda_unfused", "torch"]
 DEEPSEEK_LIKE = ("dsv2_lite", "dsv3")
-NUM_INPUTS = 4  # distinct (x, dout) pairs the steps cycle through: new routing every step
 LOOP_LIMIT_S = 2.0  # skip the loop backend for a shape whose first step takes longer
-WALL_STEPS = 10
 DTYPE = torch.bfloat16
 
 
@@ -158,12 +148,7 @@ def make_layer(shape: Shape, backend: str, single_grouped_weight: bool = True) -
 
 
 def make_inputs(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    return [
-        (torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen).requires_grad_(True),
-         torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
-        for _ in range(NUM_INPUTS)
-    ]
+    return step_inputs((shape.tokens, shape.hidden), x_requires_grad=True)
 
 
 def loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
@@ -181,18 +166,16 @@ def loop_forward(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Steps:
+class Steps(common.Steps):
     """Training steps of one layer over the cycled inputs."""
 
     def __init__(self, layer: MoELayer, inputs, forward=None):
-        self.layer, self.inputs = layer, inputs
+        super().__init__(layer, inputs)
+        self.layer = layer
         self.forward = forward or layer
-        self.params = list(layer.parameters())
-        self.index = 0
 
     def fwd_bwd(self, x, dout) -> torch.Tensor:
-        for p in self.params:
-            p.grad = None
+        self.clear_grads()
         x.grad = None
         out = self.forward(x)
         out.backward(dout)
@@ -209,14 +192,8 @@ class Steps:
         for x, _ in self.inputs:
             x.grad = None
 
-    def eager(self) -> None:
-        x, dout = self.inputs[self.index % NUM_INPUTS]
-        self.index += 1
-        self.fwd_bwd(x, dout)
-
     def capture(self):
-        for p in self.params:  # drop the eager steps' gradients and cached blocks before capturing
-            p.grad = None
+        self.clear_grads()  # drop the eager steps' gradients and cached blocks before capturing
         free_memory()
         x, dout = self.inputs[0]
         x, dout = x.detach().clone().requires_grad_(True), dout.clone()
@@ -226,13 +203,7 @@ class Steps:
         static = graphs.capture_step(self.fwd_bwd, x, dout)
         torch.cuda.synchronize()
         self.capture_peak_mib = (torch.cuda.max_memory_allocated() - start) / (1 << 20)
-
-        def replay() -> None:
-            x, dout = self.inputs[self.index % NUM_INPUTS]
-            self.index += 1
-            static(x, dout)  # copies the new inputs into the graph's buffers, replays
-
-        return static, replay
+        return static, self.replay_of(static)
 
 
 def peak_mib(step) -> float:
@@ -245,36 +216,16 @@ def peak_mib(step) -> float:
     return (torch.cuda.max_memory_allocated() - start) / (1 << 20)
 
 
-def wall_ms(step, steps: int = WALL_STEPS) -> float:
-    """Milliseconds per step of ``steps`` steps issued back to back."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / steps
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def bench_layer(shape: Shape, backends: list[str], flush: L2Flush, loop: bool = True) -> list[dict]:
     rows = []
     inputs = make_inputs(shape)
 
     def record(backend, step, peak=None):
-        ms = time_ms(step, warmup=3, repeats=shape.repeats, flush=flush)
-        wall = wall_ms(step)
-        rows.append({"bench": "moe_layer", "op": "fwd_bwd", "shape": shape.label, "splits": "router",
-                     "backend": backend, "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1),
-                     "wall_ms": round(wall, 4)})
-        if peak is not None:
-            rows[-1]["peak_mib"] = round(peak, 1)
-        memory = f"  peak {peak:9.1f} MiB" if peak is not None else ""
-        print(f"  {backend:<20} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  "
-              f"(back to back {wall:8.3f} ms/step){memory}", flush=True)
+        if peak is None:
+            rows.append(step_row("moe_layer", shape, backend, step, flush, shape.repeats))
+        else:
+            rows.append(step_row("moe_layer", shape, backend, step, flush, shape.repeats,
+                                 f"  peak {peak:9.1f} MiB", peak_mib=round(peak, 1)))
 
     for backend in backends:
         bench_grouped(shape, backend, inputs, record)
@@ -298,11 +249,7 @@ def bench_grouped(shape: Shape, backend: str, inputs, record) -> None:
 def bench_loop(shape: Shape, inputs, record) -> None:
     layer = make_layer(shape, "torch", single_grouped_weight=False)
     steps = Steps(layer, inputs, forward=lambda x: loop_forward(layer, x))
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    steps.eager()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
+    first = steps.first_eager_s()
     if first > LOOP_LIMIT_S:
         print(f"  loop           skipped: its first step took {first:.1f} s (> {LOOP_LIMIT_S} s)", flush=True)
         return
@@ -446,8 +393,7 @@ def layer_step_rows(names: list[str], rounds: int, flush: L2Flush, runners: dict
                 del steps, eager, replay
                 free_memory()
         rows += median_rows(times, shape.flops(), bench, "layer_fwd_bwd", shape.name, "router")
-        print(f"{shape.name} layer: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]),
-              flush=True)
+        print_medians(f"{shape.name} layer", rows[-len(times):])
         del layer
         free_memory()
     return rows

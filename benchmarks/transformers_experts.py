@@ -30,7 +30,6 @@ Shapes (the Qwen3-MoE block class with these sizes; no shared experts):
 
 from __future__ import annotations
 
-import gc
 import pathlib
 import sys
 import time
@@ -46,27 +45,15 @@ try:
 except ImportError as error:
     raise SystemExit(f'benchmarks/transformers_experts.py needs transformers>=5: pip install "transformers>=5" ({error})')
 
-from common import L2Flush, cli, prologue, time_ms, write_results  # noqa: E402
+import common  # noqa: E402
+from common import L2Flush, cli, free_memory, prologue, step_inputs, step_row, write_results  # noqa: E402
 from moe_grouped import graphs  # noqa: E402
 from moe_grouped.integrations import transformers as mg_transformers  # noqa: E402
 
 
 @dataclass
-class Shape:
-    name: str
-    hidden: int
-    ffn: int
-    experts: int
-    top_k: int
-    tokens: int
+class Shape(common.Shape):
     repeats: int = 20
-
-    @property
-    def label(self) -> str:
-        return f"{self.name}_H{self.hidden}_F{self.ffn}_E{self.experts}_k{self.top_k}_T{self.tokens}"
-
-    def flops(self) -> float:
-        return 18.0 * self.tokens * self.top_k * self.hidden * self.ffn
 
 
 SHAPES = [
@@ -75,9 +62,7 @@ SHAPES = [
     Shape("mixtral", 4096, 14336, 8, 2, 8192),
 ]
 OURS = mg_transformers.register()
-NUM_INPUTS = 4  # distinct (x, dout) pairs the steps cycle through: new routing every step
 EAGER_LIMIT_S = 2.0
-WALL_STEPS = 10
 DTYPE = torch.bfloat16
 
 
@@ -95,62 +80,29 @@ def make_block(shape: Shape) -> Qwen3MoeSparseMoeBlock:
 
 
 def make_inputs(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    return [
-        (torch.randn(1, shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen),
-         torch.randn(1, shape.tokens, shape.hidden, device="cuda", dtype=DTYPE, generator=gen))
-        for _ in range(NUM_INPUTS)
-    ]
+    return step_inputs((1, shape.tokens, shape.hidden))
 
 
-class Steps:
+class Steps(common.Steps):
     """Training steps of the block under one experts implementation, over the cycled inputs."""
 
     def __init__(self, block, implementation: str, inputs):
-        self.block, self.implementation, self.inputs = block, implementation, inputs
-        self.params = list(block.parameters())
-        self.index = 0
+        super().__init__(block, inputs)
+        self.block, self.implementation = block, implementation
 
     def fwd_bwd(self, x, dout) -> torch.Tensor:
         self.block.experts.config._experts_implementation = self.implementation
-        for p in self.params:
-            p.grad = None
+        self.clear_grads()
         out = self.block(x.detach().requires_grad_(True))
         out.backward(dout)
         return out.detach()  # capture_step's outputs are tensors
 
-    def eager(self) -> None:
-        x, dout = self.inputs[self.index % NUM_INPUTS]
-        self.index += 1
-        self.fwd_bwd(x, dout)
-
     def capture(self):
-        for p in self.params:
-            p.grad = None
+        self.clear_grads()
         free_memory()
         x, dout = self.inputs[0]
         static = graphs.capture_step(self.fwd_bwd, x.clone(), dout.clone())
-
-        def replay() -> None:
-            x, dout = self.inputs[self.index % NUM_INPUTS]
-            self.index += 1
-            static(x, dout)
-
-        return static, replay
-
-
-def wall_ms(step, steps: int = WALL_STEPS) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3 / steps
-
-
-def free_memory() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
+        return static, self.replay_of(static)
 
 
 def rel_errors(block, inputs) -> float:
@@ -174,15 +126,8 @@ def bench_shape(shape: Shape, flush: L2Flush) -> list[dict]:
     print(f"  ours vs grouped_mm: largest relative error (output, expert weight grads) {error:.2e}", flush=True)
 
     def record(backend, step):
-        ms = time_ms(step, warmup=3, repeats=shape.repeats, flush=flush)
-        wall = wall_ms(step)
-        rows.append({"bench": "transformers_experts", "op": "fwd_bwd", "shape": shape.label, "splits": "router",
-                     "backend": backend, "ms": round(ms, 4), "tflops": round(shape.flops() / ms / 1e9, 1),
-                     "wall_ms": round(wall, 4)})
-        if backend.startswith(OURS):
-            rows[-1]["rel_err"] = round(error, 6)
-        print(f"  {backend:<20} {ms:9.3f} ms  {rows[-1]['tflops']:7.1f} TFLOP/s  (back to back {wall:8.3f} ms/step)",
-              flush=True)
+        ours = {"rel_err": round(error, 6)} if backend.startswith(OURS) else {}
+        rows.append(step_row("transformers_experts", shape, backend, step, flush, shape.repeats, **ours))
 
     for implementation in (OURS, "grouped_mm"):
         steps = Steps(block, implementation, inputs)
@@ -197,11 +142,7 @@ def bench_shape(shape: Shape, flush: L2Flush) -> list[dict]:
         free_memory()
 
     steps = Steps(block, "eager", inputs)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    steps.eager()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - start
+    first = steps.first_eager_s()
     if first > EAGER_LIMIT_S:
         print(f"  eager                skipped: its first step took {first:.1f} s (> {EAGER_LIMIT_S} s)", flush=True)
     else:

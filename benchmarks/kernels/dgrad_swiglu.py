@@ -30,14 +30,13 @@ graphed, one process, each captured afresh every round.
 from __future__ import annotations
 
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
-from common import L2Flush, cli, graphed, median_rows, print_table, prologue, timed_rounds, write_results  # noqa: E402
-from experts_gemm_tiles import SPLITS, Experts, layer_rows, summarize_layer  # noqa: E402
+from common import L2Flush, cli, graphed, prologue, round_rows, speed  # noqa: E402
+from experts_gemm_tiles import SPLITS, Experts, finish  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 
 BACKENDS = ("cuda_fused", "cuda_unfused", "torch", "loop", "dense")
@@ -87,26 +86,17 @@ def runs_of(problem: Experts) -> dict:
 
 def main() -> None:
     args = prologue(cli(__doc__, SHAPES, rounds=True))
-    names = args.shapes
     flush = L2Flush()
     rows = []
-    for name in names:
+    for name in args.shapes:
         for splits_kind in SPLITS:
             problem = Experts(SHAPES[name], splits_kind)
-            runs = runs_of(problem)
-            times = timed_rounds(runs, args.rounds, flush, per_round=3)
-            rows += median_rows(times, problem.flops("fc2_dgrad"), "dgrad_swiglu", "fc2_dgrad_swiglu", name,
-                                splits_kind)
-            new, old = (statistics.median(times[b]) for b in ("cuda_fused", "cuda_unfused"))
-            print(f"{name} {splits_kind}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):])
-                  + f"  fused/unfused speed {old / new:.3f}x", flush=True)
-            del runs, problem
+            rows += round_rows(runs_of(problem), args.rounds, flush, f"{name} {splits_kind}",
+                               problem.flops("fc2_dgrad"), "dgrad_swiglu", "fc2_dgrad_swiglu", name, splits_kind,
+                               lambda times: f"  fused/unfused speed {speed(times, 'cuda_fused', 'cuda_unfused'):.3f}x")
+            del problem
             torch.cuda.empty_cache()
-    if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush, LAYER_VARIANTS, "dgrad_swiglu")
-    print_table(rows, "tflops")
-    summarize_layer(rows, LAYER_VARIANTS)
-    print(f"wrote {write_results('dgrad_swiglu', rows)}")
+    finish(rows, args, flush, LAYER_VARIANTS, "dgrad_swiglu")
 
 
 if __name__ == "__main__":

@@ -55,9 +55,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
-from common import (  # noqa: E402
-    L2Flush, add_names, cli, graphed, median_rows, print_table, prologue, timed_rounds, write_results,
-)
+from common import L2Flush, add_names, cli, graphed, print_table, prologue, round_rows, write_results  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV  # noqa: E402
 from moe_layer import layer_step_rows  # noqa: E402
@@ -173,27 +171,20 @@ def main() -> None:
     add_names(parser, "--variants", VARIANTS)
     add_names(parser, "--splits", SPLITS)
     args = prologue(parser)
-    names, splits = args.shapes, args.splits
     variants = {name: VARIANTS[name] for name in args.variants}
     flush = L2Flush()
     rows = []
-    for name in names:
-        for splits_kind in splits:
+    for name in args.shapes:
+        for splits_kind in args.splits:
             problem = Experts(SHAPES[name], splits_kind)
             for op in OPS:
                 runs = replays(problem.core(op), functools.partial(problem.reference, op), op, variants)
-                times = timed_rounds(runs, args.rounds, flush, per_round=3)
-                rows += median_rows(times, problem.flops(op), "experts_gemm_tiles", op, name, splits_kind)
-                print(f"{name} {splits_kind} {op}: " + "  ".join(
-                    f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):]), flush=True)
+                rows += round_rows(runs, args.rounds, flush, f"{name} {splits_kind} {op}", problem.flops(op),
+                                   "experts_gemm_tiles", op, name, splits_kind)
                 del runs
             del problem
             torch.cuda.empty_cache()
-    if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush, variants, "experts_gemm_tiles")
-    print_table(rows, "tflops")
-    summarize(rows, variants)
-    print(f"wrote {write_results('experts_gemm_tiles', rows)}")
+    finish(rows, args, flush, variants, "experts_gemm_tiles", summarize)
 
 
 def layer_rows(names: list[str], rounds: int, flush: L2Flush, variants: dict, bench: str) -> list[dict]:
@@ -211,6 +202,16 @@ def summarize_layer(rows, variants) -> None:
             new = layer[(shape, f"cuda{mode}")]
             print(f"layer {shape:<16} {mode[1:] or 'eager':<8} core's choice {new:8.3f} ms  " + "  ".join(
                 f"{backend} {layer[(shape, backend + mode)] / new:.3f}x" for backend in variants))
+
+
+def finish(rows: list[dict], args, flush: L2Flush, variants: dict, bench: str, summary=summarize_layer) -> None:
+    """A kernel benchmark's end: the layer rows (unless ``--no-layer``), the table, ``summary(rows,
+    variants)`` and the results file."""
+    if not args.no_layer:
+        rows += layer_rows(args.shapes, args.rounds, flush, variants, bench)
+    print_table(rows, "tflops")
+    summary(rows, variants)
+    print(f"wrote {write_results(bench, rows)}")
 
 
 def summarize(rows, variants: dict) -> None:

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
-from common import L2Flush, cli, median_rows, print_table, prologue, timed_rounds, write_results  # noqa: E402
-from experts_gemm_tiles import FPROP_ENV, layer_rows, replays, summarize_layer  # noqa: E402
+from common import L2Flush, cli, prologue, round_rows, speed  # noqa: E402
+from experts_gemm_tiles import FPROP_ENV, finish, replays  # noqa: E402
 from gathered_gemm import SHAPES, Case  # noqa: E402
 
 OPS = ("fc1_fprop", "fc2_fprop", "fc1_swiglu")
@@ -83,28 +82,20 @@ def reference_run(case: Case, op: str, backend: str):
 
 def main() -> None:
     args = prologue(cli(__doc__, SHAPES, rounds=True))
-    names = args.shapes
     flush = L2Flush()
     rows = []
-    for name in names:
+    for name in args.shapes:
         case = Case(SHAPES[name])
         for op in OPS:
             runs = replays(core_run(case, op), functools.partial(reference_run, case, op), op, CUTLASS)
-            times = timed_rounds(runs, args.rounds, flush, per_round=3)
             n, k = gemm_shape(case, op)
-            rows += median_rows(times, 2.0 * case.rows * n * k, "pingpong_fprop", op, name, "topk_random")
-            ratio = statistics.median(times["cuda:cutlass_fprop"]) / statistics.median(times["cuda"])
-            print(f"{name} {op}: " + "  ".join(f"{r['backend']} {r['ms']:.3f}" for r in rows[-len(times):])
-                  + f"  | core's choice {ratio:.3f}x as fast as the cooperative kernel", flush=True)
+            rows += round_rows(runs, args.rounds, flush, f"{name} {op}", 2.0 * case.rows * n * k, "pingpong_fprop",
+                               op, name, "topk_random", lambda times: f"  | core's choice "
+                               f"{speed(times, 'cuda', 'cuda:cutlass_fprop'):.3f}x as fast as the cooperative kernel")
             del runs
         del case
         torch.cuda.empty_cache()
-    if not args.no_layer:
-        rows += layer_rows(names, args.rounds, flush, CUTLASS, "pingpong_fprop")
-    print_table(rows, "tflops")
-    if not args.no_layer:
-        summarize_layer(rows, CUTLASS)
-    print(f"wrote {write_results('pingpong_fprop', rows)}")
+    finish(rows, args, flush, CUTLASS, "pingpong_fprop")
 
 
 if __name__ == "__main__":
