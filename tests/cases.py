@@ -190,6 +190,22 @@ def layer_train_step(layer):
     return step
 
 
+def interleaved_microbatches(f1, f2, f3, f4, params, a, b) -> list[torch.Tensor]:
+    """Two layers' steps on microbatches ``a`` (f1 then f2) and ``b`` (f3 then f4), each ``(x, m_splits, dy)``,
+    in make_graphed_callables' ``order=[1, 2, 3, -2, -1, 4, -4, -3]``: F(l1,a) F(l2,a) F(l1,b) B(l2,a) B(l1,a)
+    F(l2,b) B(l2,b) B(l1,b). Returns both outputs, both inputs' gradients and ``params``' gradients (copies)."""
+    for p in params:
+        p.grad = None
+    (xa, sa, dya), (xb, sb, dyb) = a, b
+    xa, xb = xa.clone().requires_grad_(True), xb.clone().requires_grad_(True)
+    ya = f2(f1(xa, sa), sa)
+    hb = f3(xb, sb)
+    ya.backward(dya)
+    yb = f4(hb, sb)
+    yb.backward(dyb)
+    return [ya.detach().clone(), yb.detach().clone(), xa.grad, xb.grad, *[p.grad.clone() for p in params]]
+
+
 def assert_captured_safely(graph) -> dict:
     """The captured graph has no host node, host copy, allocation or free; returns its node counts."""
     from moe_grouped.graphs import inspect as graph_inspect
@@ -209,12 +225,14 @@ def reset_grads(layer) -> None:
                 weight.main_grad = torch.zeros_like(weight, dtype=torch.float32)
 
 
-def capture_after_a_step(step):
-    """``(graph, outputs)``: ``step`` run once on a side stream (workspaces grow outside capture), then captured."""
+def capture_after_a_step(step, steps_before: int = 1):
+    """``(graph, outputs)``: ``step`` run ``steps_before`` times on a side stream (workspaces grow outside
+    capture), then captured."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        step()
+        for _ in range(steps_before):
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

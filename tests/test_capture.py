@@ -5,7 +5,7 @@ import torch
 
 from moe_grouped import GroupedLinear
 
-from cases import SPLIT_PATTERNS, gpu_backends, make_splits
+from cases import SPLIT_PATTERNS, capture_after_a_step, gpu_backends, make_splits
 
 pytestmark = pytest.mark.gpu
 
@@ -31,18 +31,7 @@ def test_fwd_bwd_capture_replays_new_splits_like_eager(single_grouped_weight):
             y.backward(static_dy)
             return y
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        for p in [static_x, *params]:
-            p.grad = None
-        with torch.cuda.graph(graph):
-            static_y = layer(static_x, static_splits)
-            static_y.backward(static_dy)
+        graph, static_y = capture_after_a_step(step, steps_before=3)
         grads = [static_x.grad, *[p.grad for p in params]]
 
         for replay in range(40):

@@ -497,21 +497,8 @@ def test_fused_moe_layer(backend, compiler, case):
     assert_compiled_matches_eager(layer, [x], list(layer.parameters()), compiler=compiler)
 
 
-# ExpertParallelMoELayer on a one-rank gloo group: the 'local' transport traces; 'all_to_all' (host-read counts)
-# is refused under compile.
-
-
-@pytest.fixture
-def one_rank_group():
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
+# ExpertParallelMoELayer on a one-rank gloo group (conftest's one_rank_group): the 'local' transport traces;
+# 'all_to_all' (host-read counts) is refused under compile.
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)

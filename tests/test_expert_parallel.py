@@ -20,18 +20,6 @@ from process_groups import spawn_group
 HIDDEN, FFN, EXPERTS, TOP_K, TOKENS = 16, 12, 8, 2, 10
 
 
-@pytest.fixture
-def one_rank_group():
-    """A 1-rank gloo default group in this process (ep_size 1 needs no collectives)."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the test process")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 # ------------------------------------------------------------------ the routing plan (no processes)
 def plan_by_loops(experts, ne, ep, segment_rows):
     """Each token once to every rank owning one of its experts, in token order, at most S rows a rank."""
@@ -487,19 +475,6 @@ def test_gpu_ep_size_1_overflow_is_counted_on_the_device_during_replay(one_rank_
     assert torch.isfinite(out).all()
     with pytest.raises(CapacityOverflowError, match=f"^{2 * (128 - 16)} token copies"):
         layer.check_overflow()
-
-
-@pytest.fixture
-def one_rank_nccl_group():
-    """A 1-rank NCCL default group in this process: the peer transport's kernels then run on one GPU."""
-    if dist.is_initialized():
-        pytest.fail("a process group is already initialised in the test process")
-    device = torch.device("cuda", torch.cuda.current_device())
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.gpu

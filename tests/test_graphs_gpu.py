@@ -10,6 +10,7 @@ import moe_grouped.graphs as graphs
 from moe_grouped.graphs import inspect as graph_inspect
 from moe_grouped.graphs import splits, testing
 
+from cases import interleaved_microbatches
 from test_graphs_toy_ops import ToyGroupedScale, twin
 
 pytestmark = pytest.mark.gpu
@@ -141,20 +142,9 @@ def test_several_callables_in_an_interleaved_microbatch_order_match_eager():
     for step in range(30):
         (_, sa), (_, sb) = next(stream), next(stream)
         xa, xb, dya, dyb = (torch.randn(M, N, device="cuda") for _ in range(4))
-
-        def run(f1, f2, f3, f4):
-            for p in (first.scale, second.scale):
-                p.grad = None
-            a, b = xa.clone().requires_grad_(True), xb.clone().requires_grad_(True)
-            ya = f2(f1(a, sa), sa)
-            hb = f3(b, sb)
-            ya.backward(dya)
-            yb = f4(hb, sb)
-            yb.backward(dyb)
-            return [ya.detach().clone(), yb.detach().clone(), a.grad, b.grad, first.scale.grad, second.scale.grad]
-
-        got = run(*g)
-        want = run(first, second, first, second)
+        params, micro_a, micro_b = (first.scale, second.scale), (xa, sa, dya), (xb, sb, dyb)
+        got = interleaved_microbatches(*g, params, micro_a, micro_b)
+        want = interleaved_microbatches(first, second, first, second, params, micro_a, micro_b)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"step {step} tensor {i}"
     with pytest.raises(graphs.ReplayOrderError, match=r"\[forward of callable 1, forward of callable 2, forward of callable 3, backward of callable 2"):

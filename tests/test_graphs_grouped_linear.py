@@ -13,7 +13,7 @@ import moe_grouped.graphs as graphs
 from moe_grouped import GroupedLinear
 from moe_grouped.graphs import splits, testing
 
-from cases import skip_without_cuda_kernels
+from cases import interleaved_microbatches, skip_without_cuda_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -90,19 +90,9 @@ def test_two_grouped_linear_layers_as_microbatches_in_interleaved_order(backend)
         (pa, sa), (pb, sb) = next(stream), next(stream)
         xa, xb = (torch.randn(M, K, dtype=dtype, device="cuda") for _ in range(2))
         dya, dyb = (torch.randn(M, N, dtype=dtype, device="cuda") for _ in range(2))
-
-        def run(f1, f2, f3, f4):
-            for p in params:
-                p.grad = None
-            a, b = xa.clone().requires_grad_(True), xb.clone().requires_grad_(True)
-            ya = f2(f1(a, sa), sa)
-            hb = f3(b, sb)
-            ya.backward(dya)
-            yb = f4(hb, sb)
-            yb.backward(dyb)
-            return [ya.detach().clone(), yb.detach().clone(), a.grad, b.grad, *[p.grad.clone() for p in params]]
-
-        got, want = run(*g), run(first, second, first, second)
+        micro_a, micro_b = (xa, sa, dya), (xb, sb, dyb)
+        got = interleaved_microbatches(*g, params, micro_a, micro_b)
+        want = interleaved_microbatches(first, second, first, second, params, micro_a, micro_b)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"{backend=} {step=} splits {pa}/{pb}: tensor {i} differs"
 

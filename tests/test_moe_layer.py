@@ -8,7 +8,7 @@ from torch.nn.functional import silu
 
 from moe_grouped import GroupedMLP, MoELayer
 
-from cases import calc_diff, gpu_backends
+from cases import calc_diff, capture_after_a_step, gpu_backends
 
 
 def reference(layer, x, experts, dout, aux_coeff, z_coeff, kept=None):
@@ -244,18 +244,7 @@ def test_gpu_capture_of_forward_and_backward_replays_new_routing(capacity):
             out.backward(static_dout)
             return out
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        for p in [static_x, *params]:
-            p.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = layer(static_x)
-            static_out.backward(static_dout)
+        graph, static_out = capture_after_a_step(step, steps_before=3)
         static_experts = layer.last_routing.experts
         static_counts = layer.last_routing.tokens_per_expert
         static_grads = [static_x.grad, *[p.grad for p in params]]

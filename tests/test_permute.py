@@ -139,6 +139,34 @@ def gpu_backends() -> list[str]:
     return cases.gpu_backends(_core.CAP_PERMUTE, "permute kernels")
 
 
+def check_backend_against_reference(backend, x, experts, num_experts, weights, dout, reference, case, **options):
+    """``permute(..., **options)`` on ``backend`` is ``reference`` (the reference backend's three results)
+    bitwise, with int64 and int32 indices; ``unpermute`` with ``weights`` (forward, and its backward into the
+    rows and the weights) and ``permute``'s backward agree with the reference backend's within tolerance."""
+    ref_perm, ref_splits, ref_map = reference
+    for index_dtype in (torch.int64, torch.int32):
+        permuted, m_splits, row_id_map = permute(x, experts.to(index_dtype), num_experts, backend=backend, **options)
+        assert torch.equal(row_id_map, ref_map), case
+        assert torch.equal(m_splits, ref_splits), case
+        assert torch.equal(permuted, ref_perm), case
+    y = torch.randn(permuted.shape, device="cuda", dtype=x.dtype, requires_grad=True)
+    w = weights.clone().requires_grad_(True)
+    out = unpermute(y, row_id_map, w, backend=backend)
+    y_ref, w_ref = y.detach().clone().requires_grad_(True), weights.clone().requires_grad_(True)
+    expected = unpermute(y_ref, ref_map, w_ref, backend="reference")
+    tol = 1e-5 if x.dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol), case
+    out.backward(dout)
+    expected.backward(dout)
+    assert torch.allclose(y.grad.float(), y_ref.grad.float(), atol=tol, rtol=tol), case
+    assert torch.allclose(w.grad, w_ref.grad, atol=tol * 10, rtol=tol), case
+    xg = x.detach().clone().requires_grad_(True)
+    permute(xg, experts, num_experts, backend=backend, **options)[0].backward(y.detach())
+    xr = x.detach().clone().requires_grad_(True)
+    permute(xr, experts, num_experts, backend="reference", **options)[0].backward(y.detach())
+    assert torch.allclose(xg.grad.float(), xr.grad.float(), atol=tol, rtol=tol), case
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("routing", ROUTINGS)
@@ -147,31 +175,11 @@ def test_gpu_backends_match_the_reference(dtype, routing):
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     experts = make_experts(routing, tokens, top_k, num_experts, seed=5, device="cuda")
     weights = torch.rand(tokens, top_k, device="cuda")
-    ref_perm, ref_splits, ref_map = permute(x, experts, num_experts, backend="reference")
+    reference = permute(x, experts, num_experts, backend="reference")
     dout = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     for backend in gpu_backends():
-        case = f"{backend=} {dtype=} {routing=}"
-        for index_dtype in (torch.int64, torch.int32):
-            permuted, m_splits, row_id_map = permute(x, experts.to(index_dtype), num_experts, backend=backend)
-            assert torch.equal(row_id_map, ref_map), case
-            assert torch.equal(m_splits, ref_splits), case
-            assert torch.equal(permuted, ref_perm), case
-        y = torch.randn(tokens * top_k, hidden, device="cuda", dtype=dtype, requires_grad=True)
-        w = weights.clone().requires_grad_(True)
-        out = unpermute(y, row_id_map, w, backend=backend)
-        y_ref, w_ref = y.detach().clone().requires_grad_(True), weights.clone().requires_grad_(True)
-        expected = unpermute(y_ref, ref_map, w_ref, backend="reference")
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol), case
-        out.backward(dout)
-        expected.backward(dout)
-        assert torch.allclose(y.grad.float(), y_ref.grad.float(), atol=tol, rtol=tol), case
-        assert torch.allclose(w.grad, w_ref.grad, atol=tol * 10, rtol=tol), case
-        xg = x.detach().clone().requires_grad_(True)
-        permute(xg, experts, num_experts, backend=backend)[0].backward(y.detach())
-        xr = x.detach().clone().requires_grad_(True)
-        permute(xr, experts, num_experts, backend="reference")[0].backward(y.detach())
-        assert torch.allclose(xg.grad.float(), xr.grad.float(), atol=tol, rtol=tol), case
+        check_backend_against_reference(backend, x, experts, num_experts, weights, dout, reference,
+                                        f"{backend=} {dtype=} {routing=}")
 
 
 @pytest.mark.gpu
@@ -186,14 +194,7 @@ def test_capture_replays_new_routing():
             permuted, m_splits, row_id_map = permute(static_x, static_experts, num_experts, backend=backend)
             return unpermute(permuted * 2, row_id_map, static_w, backend=backend), m_splits
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # eager warm-up: grows the workspace outside capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out, static_splits = step()
+        graph, (static_out, static_splits) = cases.capture_after_a_step(step)
         for seed, routing in enumerate(ROUTINGS):
             experts = make_experts(routing, tokens, top_k, num_experts, seed=seed, device="cuda")
             static_experts.copy_(experts)

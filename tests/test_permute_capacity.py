@@ -9,7 +9,8 @@ import torch
 from moe_grouped import permute, unpermute
 from moe_grouped.permute import CUDA_MAX_EXPERTS, expert_capacity, permuted_rows
 
-from test_permute import ROUTINGS, gpu_backends, make_experts
+from cases import capture_after_a_step
+from test_permute import ROUTINGS, check_backend_against_reference, gpu_backends, make_experts
 
 # A hand-worked example: 6 tokens, top-2 of 3 experts; copy i = 2 * t + j.
 #   expert 0: copies 0 (p .6), 2 (.7), 5 (.5), 6 (.9), 10 (.55)
@@ -259,32 +260,10 @@ def test_gpu_backends_match_the_reference_with_dropping(dtype, routing, policy, 
     dout = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     for factor in (0.0, 0.5, 1.0, 2.0):
         options = dict(probs=probs, capacity_factor=factor, drop_policy=policy, pad_to_capacity=pad)
-        ref_perm, ref_splits, ref_map = permute(x, experts, num_experts, backend="reference", **options)
+        reference = permute(x, experts, num_experts, backend="reference", **options)
         for backend in gpu_backends():
-            case = f"{backend=} {dtype=} {routing=} {policy=} {pad=} {factor=}"
-            for index_dtype in (torch.int64, torch.int32):
-                permuted, m_splits, row_id_map = permute(
-                    x, experts.to(index_dtype), num_experts, backend=backend, **options
-                )
-                assert torch.equal(row_id_map, ref_map), case
-                assert torch.equal(m_splits, ref_splits), case
-                assert torch.equal(permuted, ref_perm), case
-            y = torch.randn(permuted.shape, device="cuda", dtype=dtype, requires_grad=True)
-            w = probs.clone().requires_grad_(True)
-            y_ref, w_ref = y.detach().clone().requires_grad_(True), probs.clone().requires_grad_(True)
-            out = unpermute(y, row_id_map, w, backend=backend)
-            expected = unpermute(y_ref, ref_map, w_ref, backend="reference")
-            tol = 1e-5 if dtype == torch.float32 else 1e-2
-            assert torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol), case
-            out.backward(dout)
-            expected.backward(dout)
-            assert torch.allclose(y.grad.float(), y_ref.grad.float(), atol=tol, rtol=tol), case
-            assert torch.allclose(w.grad, w_ref.grad, atol=tol * 10, rtol=tol), case
-            xg = x.detach().clone().requires_grad_(True)
-            permute(xg, experts, num_experts, backend=backend, **options)[0].backward(y.detach())
-            xr = x.detach().clone().requires_grad_(True)
-            permute(xr, experts, num_experts, backend="reference", **options)[0].backward(y.detach())
-            assert torch.allclose(xg.grad.float(), xr.grad.float(), atol=tol, rtol=tol), case
+            check_backend_against_reference(backend, x, experts, num_experts, probs, dout, reference,
+                                            f"{backend=} {dtype=} {routing=} {policy=} {pad=} {factor=}", **options)
 
 
 @pytest.mark.gpu
@@ -321,14 +300,7 @@ def test_gpu_capture_with_dropping_replays_new_routing(policy, pad):
             permuted, m_splits, row_id_map = permute(static_x, static_experts, num_experts, probs=static_w, **options)
             return unpermute(permuted * 2, row_id_map, static_w, backend=backend), m_splits, row_id_map
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()  # eager warm-up: grows the workspace outside capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out, static_splits, static_map = step()
+        graph, (static_out, static_splits, static_map) = capture_after_a_step(step)
         dropped = set()
         for seed, routing in enumerate(ROUTINGS):
             static_experts.copy_(make_experts(routing, tokens, top_k, num_experts, seed=seed, device="cuda"))

@@ -5,7 +5,7 @@ import torch
 
 from moe_grouped import Router, _core, routing
 
-from cases import skip_without_cuda_kernels
+from cases import capture_after_a_step, skip_without_cuda_kernels
 
 ROUTERS = {  # name: Router options that take the kernels, and the weights mode they map to
     "topk_then_softmax": (dict(topk_before_softmax=True), routing.SOFTMAX_CHOSEN),
@@ -166,15 +166,7 @@ def test_graph_replays_with_new_tokens_equal_eager():
         ((out.weights * coeffs).sum() + out.aux_loss + out.z_loss).backward()
         return out
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step(static_x)
+    graph, static_out = capture_after_a_step(lambda: step(static_x), steps_before=2)
     static_dx, static_dw = static_x.grad, router.weight.grad
     for seed in range(10):
         x = torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16,

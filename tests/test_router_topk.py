@@ -6,7 +6,7 @@ import torch
 from moe_grouped import _core
 from moe_grouped.routing import choose_experts, cuda_backend
 
-from cases import skip_without_cuda_kernels
+from cases import capture_after_a_step, skip_without_cuda_kernels
 
 NAN, INF = float("nan"), float("inf")
 
@@ -126,14 +126,7 @@ def test_kernel_refuses_out_of_range_arguments():
 def test_kernel_replays_in_a_graph_with_new_scores():
     skip_without_cuda_kernels(_core.CAP_PERMUTE, "routing kernels", entry="mg_route_topk")
     static = torch.randn(2048, 128, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        choose_experts(static, 8)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        experts, counts = choose_experts(static, 8)
+    graph, (experts, counts) = capture_after_a_step(lambda: choose_experts(static, 8))
     for seed in range(20):
         static.copy_(torch.randn(2048, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)))
         graph.replay()
