@@ -148,7 +148,7 @@ def workspace_size(
     return size.value
 
 
-def _zero_rows_past_splits(out: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+def zero_rows_past_splits(out: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
     """``out`` with its rows past the sum of ``m_splits`` zeroed by the core, which writes those
     rows only (a core built before ``mg_zero_rows_past_splits``: a masked pass over ``out``)."""
     lib = _core.require()
@@ -170,8 +170,6 @@ def fprop(
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
-    *,
-    zero_tail: bool = True,
 ) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, x.dtype)
@@ -192,12 +190,11 @@ def fprop(
             _core.stream_handle(x.device),
         )
     )
-    return _zero_rows_past_splits(y, m_splits) if zero_tail else y
+    return y
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
-    zero_tail: bool = True,
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     lib = _core.require()
     _check_out_dtype(out_dtype, dy.dtype)
@@ -215,7 +212,7 @@ def dgrad(
             _core.stream_handle(dy.device),
         )
     )
-    return _zero_rows_past_splits(dx, m_splits) if zero_tail else dx
+    return dx
 
 
 def wgrad(
@@ -338,8 +335,10 @@ def _gathered(kind: str, source, index, weights, m_splits, out_dtype) -> torch.T
     if not gathers(source, out_dtype):
         rows = gather_rows(source, index)
         if kind == "fprop":
-            return fprop(rows, weights, m_splits, None, out_dtype)
-        return dgrad(rows, weights, m_splits, out_dtype)
+            out = fprop(rows, weights, m_splits, None, out_dtype)
+        else:
+            out = dgrad(rows, weights, m_splits, out_dtype)
+        return zero_rows_past_splits(out, m_splits)  # as the gathered ops give where a backend has no kernel
     lib = _core.require()
     _check_out_dtype(out_dtype, source.dtype)
     num_groups, n, k = _matrix_shape(weights)
@@ -476,5 +475,5 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
 __all__ = [
     "fprop", "dgrad", "wgrad", "dbias", "fprop_gathered", "dgrad_gathered", "wgrad_gathered", "gathers",
     "fprop_swiglu", "fuses_fc1_swiglu",
-    "shape_supported", "workspace_size",
+    "shape_supported", "workspace_size", "zero_rows_past_splits",
 ]

@@ -25,7 +25,7 @@ _MODULES = {"reference": reference, "torch": torch_backend, "cuda": cuda_backend
 
 
 def backend_module(name: str) -> ModuleType:
-    """The module implementing ``fprop``/``dgrad``/``wgrad``/``dbias`` for ``name``."""
+    """The module implementing ``fprop``/``dgrad``/``wgrad``/``dbias`` and ``zero_rows_past_splits`` for ``name``."""
     if name not in _MODULES:
         raise ValueError(f"unknown backend {name!r}")
     return _MODULES[name]
@@ -37,6 +37,12 @@ def check_backend_dtype(backend: str, dtype: torch.dtype) -> None:
     if dtype not in supported:
         names = ", ".join(str(d) for d in supported)
         raise TypeError(f"backend {backend!r} supports dtypes ({names}), got {dtype}")
+
+
+def _past_splits_zeroed(backend: str, out: torch.Tensor, m_splits: torch.Tensor, zero_tail: bool) -> torch.Tensor:
+    """``out`` (a GEMM's [rows, ...] output) with its rows past the sum of ``m_splits`` zeroed the backend's
+    way when ``zero_tail``; else as the GEMM left them (not written by the ``cuda`` and ``torch`` backends)."""
+    return backend_module(backend).zero_rows_past_splits(out, m_splits) if zero_tail else out
 
 
 @torch.library.custom_op("moe_grouped::grouped_fprop", mutates_args=())
@@ -52,7 +58,8 @@ def grouped_fprop(
     """``zero_tail``: the rows past the sum of ``m_splits`` are zeros (False: not written, for callers
     that read only the experts' rows, e.g. the fused experts path with a capacity's worst-case buffer)."""
     with nvtx.range(f"moe_grouped.fprop[{backend}]"):
-        return backend_module(backend).fprop(x, weights, m_splits, bias, out_dtype, zero_tail=zero_tail)
+        y = backend_module(backend).fprop(x, weights, m_splits, bias, out_dtype)
+        return _past_splits_zeroed(backend, y, m_splits, zero_tail)
 
 
 @grouped_fprop.register_fake
@@ -101,7 +108,8 @@ def grouped_dgrad(
 ) -> torch.Tensor:
     """``zero_tail``: as :func:`grouped_fprop`'s."""
     with nvtx.range(f"moe_grouped.dgrad[{backend}]"):
-        return backend_module(backend).dgrad(dy, weights, m_splits, out_dtype, zero_tail=zero_tail)
+        dx = backend_module(backend).dgrad(dy, weights, m_splits, out_dtype)
+        return _past_splits_zeroed(backend, dx, m_splits, zero_tail)
 
 
 @grouped_dgrad.register_fake
@@ -132,7 +140,7 @@ def grouped_dgrad_swiglu_(
         if backend == "cuda" and activation_backend == "cuda" and cuda_backend.dgrad_swiglu_fuses(dy, g):
             return cuda_backend.dgrad_swiglu(dy, weights, m_splits, g, routing_weights)
         # Its tail (past the sum) becomes wh's, which nothing reads: not zeroed.
-        dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype, zero_tail=False)
+        dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype)
         dprob = g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
         torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
         return dh_u, dprob
@@ -166,26 +174,41 @@ def _gathered(backend: str, name: str):
     return getattr(backend_module(backend), name, None)
 
 
-@torch.library.custom_op("moe_grouped::grouped_fprop_gathered", mutates_args=())
-def grouped_fprop_gathered(
-    source: torch.Tensor,
-    index: torch.Tensor,
-    weights: list[torch.Tensor],
-    m_splits: torch.Tensor,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
-    """``grouped_fprop`` of ``gather_rows(source, index)`` ([len(index), K] rows) without the copy."""
-    with nvtx.range(f"moe_grouped.fprop_gathered[{backend}]"):
-        op = _gathered(backend, "fprop_gathered")
-        if op is not None:
-            return op(source, index, weights, m_splits, out_dtype)
-        return backend_module(backend).fprop(gather_rows(source, index), weights, m_splits, None, out_dtype)
+def _gathered_gemm_op(kind: str, width_dim: int):
+    """The op ``grouped_<kind>_gathered`` (kind "fprop" or "dgrad"): ``grouped_<kind>`` of
+    ``gather_rows(source, index)`` ([len(index), ...] rows) without the copy. A backend without the gathered
+    kernel gathers the rows first and zeros the rows past the splits; its output has ``weights[0].shape[width_dim]``
+    columns."""
+
+    @torch.library.custom_op(f"moe_grouped::grouped_{kind}_gathered", mutates_args=())
+    def op(
+        source: torch.Tensor,
+        index: torch.Tensor,
+        weights: list[torch.Tensor],
+        m_splits: torch.Tensor,
+        out_dtype: torch.dtype,
+        backend: str,
+    ) -> torch.Tensor:
+        with nvtx.range(f"moe_grouped.{kind}_gathered[{backend}]"):
+            gathered = _gathered(backend, f"{kind}_gathered")
+            if gathered is not None:
+                return gathered(source, index, weights, m_splits, out_dtype)
+            rows = gather_rows(source, index)
+            if kind == "fprop":
+                out = backend_module(backend).fprop(rows, weights, m_splits, None, out_dtype)
+            else:
+                out = backend_module(backend).dgrad(rows, weights, m_splits, out_dtype)
+            return _past_splits_zeroed(backend, out, m_splits, True)
+
+    @op.register_fake
+    def _(source, index, weights, m_splits, out_dtype, backend):
+        return source.new_empty(index.shape[0], weights[0].shape[width_dim], dtype=out_dtype)
+
+    return op
 
 
-@grouped_fprop_gathered.register_fake
-def _(source, index, weights, m_splits, out_dtype, backend):
-    return source.new_empty(index.shape[0], weights[0].shape[-2], dtype=out_dtype)
+grouped_fprop_gathered = _gathered_gemm_op("fprop", -2)
+grouped_dgrad_gathered = _gathered_gemm_op("dgrad", -1)
 
 
 @torch.library.custom_op("moe_grouped::grouped_fprop_swiglu", mutates_args=())
@@ -206,28 +229,6 @@ def _(source, index, weights, m_splits):
     rows = (index if index is not None else source).shape[0]
     n = weights[0].shape[-2]
     return source.new_empty(rows, n), source.new_empty(rows, n // 2)
-
-
-@torch.library.custom_op("moe_grouped::grouped_dgrad_gathered", mutates_args=())
-def grouped_dgrad_gathered(
-    source: torch.Tensor,
-    index: torch.Tensor,
-    weights: list[torch.Tensor],
-    m_splits: torch.Tensor,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
-    """``grouped_dgrad`` of ``gather_rows(source, index)`` without the copy."""
-    with nvtx.range(f"moe_grouped.dgrad_gathered[{backend}]"):
-        op = _gathered(backend, "dgrad_gathered")
-        if op is not None:
-            return op(source, index, weights, m_splits, out_dtype)
-        return backend_module(backend).dgrad(gather_rows(source, index), weights, m_splits, out_dtype)
-
-
-@grouped_dgrad_gathered.register_fake
-def _(source, index, weights, m_splits, out_dtype, backend):
-    return source.new_empty(index.shape[0], weights[0].shape[-1], dtype=out_dtype)
 
 
 @torch.library.custom_op("moe_grouped::grouped_wgrad_gathered_", mutates_args=("out",))

@@ -26,38 +26,40 @@ def _host_bounds(m_splits: torch.Tensor, total_rows: int) -> list[tuple[int, int
     return list(zip(bounds[:-1], bounds[1:]))
 
 
+def _per_expert(a: torch.Tensor, m_splits: torch.Tensor, cols: int, out_dtype: torch.dtype, rows_of) -> torch.Tensor:
+    """[rows of ``a``, ``cols``] zeros in ``out_dtype`` where each expert e's rows are ``rows_of(e, its rows of
+    ``a`` in the compute dtype)``: the rows past the splits stay zeros."""
+    acc = compute_dtype(a.dtype)
+    out = torch.zeros(a.shape[0], cols, dtype=out_dtype, device=a.device)
+    for e, (start, end) in enumerate(_host_bounds(m_splits, a.shape[0])):
+        out[start:end] = rows_of(e, a[start:end].to(acc)).to(out_dtype)
+    return out
+
+
+def zero_rows_past_splits(out: torch.Tensor, m_splits: torch.Tensor) -> torch.Tensor:
+    """``out`` itself: :func:`fprop` and :func:`dgrad` start from zeros, so their rows past the splits are."""
+    return out
+
+
 def fprop(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
-    *,
-    zero_tail: bool = True,
 ) -> torch.Tensor:
-    """Rows past the splits are zeros whatever ``zero_tail`` says (it lets other backends skip them)."""
-    acc = compute_dtype(x.dtype)
-    n = expert_matrix(weights, 0).shape[0]
-    y = torch.zeros(x.shape[0], n, dtype=out_dtype, device=x.device)  # rows past the splits stay 0
-    for e, (start, end) in enumerate(_host_bounds(m_splits, x.shape[0])):
-        rows = x[start:end].to(acc) @ expert_matrix(weights, e).to(acc).t()
-        if bias is not None:
-            rows = rows + bias[e].to(acc)
-        y[start:end] = rows.to(out_dtype)
-    return y
+    def rows_of(e: int, rows: torch.Tensor) -> torch.Tensor:
+        y = rows @ expert_matrix(weights, e).to(rows.dtype).t()
+        return y if bias is None else y + bias[e].to(rows.dtype)
+
+    return _per_expert(x, m_splits, expert_matrix(weights, 0).shape[0], out_dtype, rows_of)
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
-    zero_tail: bool = True,
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
-    """Rows past the splits are zeros whatever ``zero_tail`` says."""
-    acc = compute_dtype(dy.dtype)
-    k = expert_matrix(weights, 0).shape[1]
-    dx = torch.zeros(dy.shape[0], k, dtype=out_dtype, device=dy.device)  # rows past the splits stay 0
-    for e, (start, end) in enumerate(_host_bounds(m_splits, dy.shape[0])):
-        dx[start:end] = (dy[start:end].to(acc) @ expert_matrix(weights, e).to(acc)).to(out_dtype)
-    return dx
+    return _per_expert(dy, m_splits, expert_matrix(weights, 0).shape[1], out_dtype,
+                       lambda e, rows: rows @ expert_matrix(weights, e).to(rows.dtype))
 
 
 def wgrad(
@@ -90,4 +92,4 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
     return out
 
 
-__all__ = ["fprop", "dgrad", "wgrad", "dbias", "num_groups_of"]
+__all__ = ["fprop", "dgrad", "wgrad", "dbias", "zero_rows_past_splits", "num_groups_of"]

@@ -4,8 +4,8 @@ Graph-safe: the group boundaries are computed on the device from
 ``m_splits`` and nothing reads them on the host. The separate-weights layout
 is stacked into one [E, N, K] tensor per call (a copy), so that layout is
 slower here than in the ``cuda`` backend. ``torch._grouped_mm`` leaves the
-rows past the last group unwritten; fprop and dgrad zero them with a masked
-pass over the output.
+rows past the last group unwritten; :func:`zero_rows_past_splits` (a masked
+pass over the output) zeros them where the grouped ops ask for it.
 """
 
 from __future__ import annotations
@@ -69,14 +69,15 @@ def _group_of_rows(m_splits: torch.Tensor, total_rows: int, device: torch.device
     return groups.clamp_(max=m_splits.shape[0] - 1)
 
 
+zero_rows_past_splits = zero_rows_past_splits_
+
+
 def fprop(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
     m_splits: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
-    *,
-    zero_tail: bool = True,
 ) -> torch.Tensor:
     _check_group_count(m_splits)
     w = stacked(weights)
@@ -86,21 +87,18 @@ def fprop(
     y = torch._grouped_mm(x, w.transpose(-2, -1), offs=_offs(m_splits, x.shape[0], x.dtype))
     if bias is not None:
         y = y + bias.index_select(0, _group_of_rows(m_splits, x.shape[0], x.device))
-    y = y.to(out_dtype)
-    return zero_rows_past_splits_(y, m_splits) if zero_tail else y
+    return y.to(out_dtype)
 
 
 def dgrad(
-    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype, *,
-    zero_tail: bool = True,
+    dy: torch.Tensor, weights: Sequence[torch.Tensor], m_splits: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     _check_group_count(m_splits)
     _check_row_bytes(dy.dtype, out_features=dy.shape[1], in_features=stacked(weights).shape[2])
     if dy.shape[0] == 0:  # torch._grouped_mm refuses an empty operand
         return dy.new_zeros(0, stacked(weights).shape[2], dtype=out_dtype)
     dx = torch._grouped_mm(dy, stacked(weights), offs=_offs(m_splits, dy.shape[0], dy.dtype))
-    dx = dx.to(out_dtype)
-    return zero_rows_past_splits_(dx, m_splits) if zero_tail else dx
+    return dx.to(out_dtype)
 
 
 def wgrad(
@@ -140,4 +138,4 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
     return sums.to(out_dtype)
 
 
-__all__ = ["fprop", "dgrad", "wgrad", "dbias", "expert_matrix"]
+__all__ = ["fprop", "dgrad", "wgrad", "dbias", "zero_rows_past_splits", "expert_matrix"]
