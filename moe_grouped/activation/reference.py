@@ -42,32 +42,38 @@ def weighted_backward(dh_u, g, weights, real_rows):
     return torch.where(real, dg, 0), torch.where(real, wh, 0), torch.where(real.squeeze(-1), dprob, 0)
 
 
-def write_weighted_backward(dh_u, g, weights, real_rows, dg, wh, dprob) -> None:
-    """:func:`weighted_backward`'s results written into ``dg``, ``wh``, ``dprob`` (which may be ``g``, ``dh_u``)."""
-    for out, result in zip((dg, wh, dprob), weighted_backward(dh_u, g, weights, real_rows)):
-        out.copy_(result)
+def composed_backward_into(real_rows_of):
+    """The ``weighted_backward_into`` of a backend that composes :func:`weighted_backward`, given how it
+    finds the rows the counts cover: ``real_rows_of(m_splits, rows)``."""
+
+    def weighted_backward_into(
+        dh_u: torch.Tensor,
+        g: torch.Tensor,
+        weights: Optional[torch.Tensor],
+        m_splits: Optional[torch.Tensor],
+        dg: torch.Tensor,
+        wh: torch.Tensor,
+        dprob: torch.Tensor,
+        zero_tail: bool = True,
+    ) -> None:
+        """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob`` (which may be ``g``, ``dh_u``).
+        Rows past the counts get zeros whatever ``zero_tail`` says (which lets the core skip them)."""
+        rows = dh_u.shape[0]
+        real_rows = rows if m_splits is None else real_rows_of(m_splits, rows)
+        for out, result in zip((dg, wh, dprob), weighted_backward(dh_u, g, weights, real_rows)):
+            out.copy_(result)
+
+    return weighted_backward_into
 
 
-def weighted_backward_into(
-    dh_u: torch.Tensor,
-    g: torch.Tensor,
-    weights: Optional[torch.Tensor],
-    m_splits: Optional[torch.Tensor],
-    dg: torch.Tensor,
-    wh: torch.Tensor,
-    dprob: torch.Tensor,
-    zero_tail: bool = True,
-) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``, reading the counts on the host, the plain way.
-    Rows past the counts get zeros whatever ``zero_tail`` says (which lets the core skip them)."""
-    rows = dh_u.shape[0]
-    if m_splits is None:
-        real_rows = rows
-    else:
-        if m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "the reference backend reads m_splits on the host and cannot run during CUDA graph "
-                "capture; use backend='torch' or backend='cuda'"
-            )
-        real_rows = min(sum(max(0, min(int(c), rows)) for c in m_splits.tolist()), rows)
-    write_weighted_backward(dh_u, g, weights, real_rows, dg, wh, dprob)
+def _real_rows_read_on_the_host(m_splits: torch.Tensor, rows: int) -> int:
+    """The plain way: the counts read on the host (a synchronisation)."""
+    if m_splits.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the reference backend reads m_splits on the host and cannot run during CUDA graph "
+            "capture; use backend='torch' or backend='cuda'"
+        )
+    return min(sum(max(0, min(int(c), rows)) for c in m_splits.tolist()), rows)
+
+
+weighted_backward_into = composed_backward_into(_real_rows_read_on_the_host)

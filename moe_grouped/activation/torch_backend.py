@@ -6,8 +6,6 @@ the device instead of reading it on the host, so it can be captured.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from . import reference
@@ -18,18 +16,9 @@ def swiglu(h: torch.Tensor) -> torch.Tensor:
     return reference.swiglu(h)
 
 
-def weighted_backward_into(
-    dh_u: torch.Tensor,
-    g: torch.Tensor,
-    weights: Optional[torch.Tensor],
-    m_splits: Optional[torch.Tensor],
-    dg: torch.Tensor,
-    wh: torch.Tensor,
-    dprob: torch.Tensor,
-    zero_tail: bool = True,
-) -> None:
-    """The weighted SwiGLU backward into ``dg``, ``wh``, ``dprob``; the counts are summed on the device.
-    Rows past the counts get zeros whatever ``zero_tail`` says (which lets the core skip them)."""
-    rows = dh_u.shape[0]
-    real_rows = rows if m_splits is None else m_splits.to(torch.int64).clamp(0, rows).sum().clamp(max=rows)
-    reference.write_weighted_backward(dh_u, g, weights, real_rows, dg, wh, dprob)
+def _real_rows_summed_on_the_device(m_splits: torch.Tensor, rows: int) -> torch.Tensor:
+    """A 0-dim device tensor: no host read, so the backward can be captured."""
+    return m_splits.to(torch.int64).clamp(0, rows).sum().clamp(max=rows)
+
+
+weighted_backward_into = reference.composed_backward_into(_real_rows_summed_on_the_device)
