@@ -460,9 +460,8 @@ class ExpertParallelMoELayer(nn.Module):
         def start_combine(grad_tokens, grad_weights):
             plan.cache["pending_combine"] = transport.combine_beside(grad_tokens, grad_weights, plan)
 
-        sms = torch.cuda.get_device_properties(buffer.device).multi_processor_count
         return Sinks(out=buffer, grad_tokens=buffer, on_grad_tokens=start_combine,
-                     gemm_sms=sms - transport.overlap_sms)
+                     gemm_sms=transport.device_sms - transport.overlap_sms)
 
     def backward_dw(self) -> None:
         """The local experts' deferred weight gradients (``delay_wgrad_compute=True``)."""

@@ -88,7 +88,7 @@ class PeerTransport(Transport):
         self.row_bytes = hidden * dtype.itemsize
         if self.row_bytes % 16:
             raise ValueError(f"the peer transport moves rows of a multiple of 16 bytes, got hidden={hidden} of {dtype}")
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.device_sms = sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_sms = sms if num_sms is None else num_sms
         self.overlap_sms = overlap_sms
         if not 1 <= self.num_sms <= sms:

@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .._tensors import gather_rows
 from .plan import RoutePlan, extra_dtype
 
 TRANSPORTS = ("auto", "peer", "symm_mem", "padded_all_to_all", "all_to_all", "local")
@@ -53,13 +54,6 @@ class CapacityOverflowError(RuntimeError):
 
 def capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index[i]]`` for every i, zero rows where ``index[i] < 0``."""
-    safe = index.clamp(min=0).to(torch.int64)
-    picked = x.index_select(0, safe)
-    return picked.masked_fill((index < 0).unsqueeze(1), 0)
 
 
 def sum_by_rank(parts: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -367,6 +361,5 @@ __all__ = [
     "CapacityOverflowError",
     "DispatchFunction",
     "CombineFunction",
-    "gather_rows",
     "sum_by_rank",
 ]
