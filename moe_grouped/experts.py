@@ -37,6 +37,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ._ops import ops
 from . import _core
 from .activation import swiglu
 from .gemm import cuda_backend
@@ -92,7 +93,7 @@ def _gather(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor]
     """Each copy's token row at its permuted row ([R, H]); the input itself when not routed."""
     if not plan.routed:
         return tokens
-    return torch.ops.moe_grouped.permute_rows(
+    return ops.permute_rows(
         tokens, row_id_map, plan.top_k, plan.num_rows, plan.zero_unmapped, plan.permute_backend
     )
 
@@ -112,9 +113,9 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
     dtype, gemm = tokens.dtype, plan.gemm_backend
     if plan.routed and gemm == "cuda" and cuda_backend.gathers(tokens, dtype):
         index = source_rows(row_id_map, plan.top_k, plan.num_rows)
-        return torch.ops.moe_grouped.grouped_fprop_gathered(tokens, index, w1, m_splits, dtype, gemm)
+        return ops.grouped_fprop_gathered(tokens, index, w1, m_splits, dtype, gemm)
     xp = _gather(plan, tokens, row_id_map)
-    return torch.ops.moe_grouped.grouped_fprop(xp, w1, m_splits, None, dtype, gemm, False)
+    return ops.grouped_fprop(xp, w1, m_splits, None, dtype, gemm, False)
 
 
 def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m_splits: torch.Tensor,
@@ -133,7 +134,7 @@ def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Ten
     if (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
             and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1)):
         index = source_rows(row_id_map, plan.top_k, plan.num_rows) if plan.routed else None
-        return torch.ops.moe_grouped.grouped_fprop_swiglu(tokens, index, w1, m_splits)
+        return ops.grouped_fprop_swiglu(tokens, index, w1, m_splits)
     g = _fc1(plan, tokens, row_id_map, m_splits, w1)
     return g, swiglu(g, backend=plan.activation_backend)
 
@@ -145,12 +146,12 @@ def _permuted_weights(plan: Plan, probs: torch.Tensor, row_id_map: torch.Tensor,
     copy i is "token" i), so this is deterministic on every backend.
     """
     flat = probs.detach().reshape(-1, 1).to(dtype)
-    return torch.ops.moe_grouped.permute_rows(flat, row_id_map, 1, plan.num_rows, True, plan.permute_backend).view(-1)
+    return ops.permute_rows(flat, row_id_map, 1, plan.num_rows, True, plan.permute_backend).view(-1)
 
 
 def _copy_values(plan: Plan, per_row: torch.Tensor, row_id_map: torch.Tensor) -> torch.Tensor:
     """[T * top_k]: the value of each copy's row, 0 for dropped copies (the inverse of _permuted_weights)."""
-    return torch.ops.moe_grouped.unpermute_rows(
+    return ops.unpermute_rows(
         per_row.view(-1, 1), row_id_map, None, 1, plan.permute_backend
     ).view(-1)
 
@@ -175,8 +176,8 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
 def _unpermute(plan: Plan, y, row_id_map, probs, sink: Optional[torch.Tensor]) -> torch.Tensor:
     """The weighted (or plain) sum of each token's copies: a new tensor, or written into ``sink``."""
     if sink is None:
-        return torch.ops.moe_grouped.unpermute_rows(y, row_id_map, probs, plan.top_k, plan.permute_backend)
-    torch.ops.moe_grouped.unpermute_rows_into_(y, row_id_map, probs, plan.top_k, plan.permute_backend, sink)
+        return ops.unpermute_rows(y, row_id_map, probs, plan.top_k, plan.permute_backend)
+    ops.unpermute_rows_into_(y, row_id_map, probs, plan.top_k, plan.permute_backend, sink)
     return sink.detach()  # a plain tensor to autograd, not a view of the sink's buffer
 
 
@@ -201,7 +202,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         dtype, gemm = tokens.dtype, plan.gemm_backend
         g, h = _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
         # Rows past the experts' (a capacity's tail) are read by nothing here: not zeroed.
-        y = torch.ops.moe_grouped.grouped_fprop(h, w2, m_splits, None, dtype, gemm, False)
+        y = ops.grouped_fprop(h, w2, m_splits, None, dtype, gemm, False)
         del h
         if plan.routed:
             y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
@@ -223,7 +224,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
         # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
         # wh = w * h is fc2's wgrad operand.
-        wh, dprob = torch.ops.moe_grouped.grouped_dgrad_swiglu_(
+        wh, dprob = ops.grouped_dgrad_swiglu_(
             dy_u, w2, m_splits, g, w, gemm, plan.activation_backend
         )
         dg = g
@@ -236,7 +237,7 @@ class FusedExpertsFunction(torch.autograd.Function):
             dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
         dx = None
         if needs[0]:
-            dxp = torch.ops.moe_grouped.grouped_dgrad(dg, w1, m_splits, dtype, gemm, False)
+            dxp = ops.grouped_dgrad(dg, w1, m_splits, dtype, gemm, False)
             if plan.routed:
                 dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
             else:

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import ops
 from .. import _core, backends
 from .._tensors import compute_dtype
 from .cuda_backend import SUPPORTED_DTYPES
@@ -61,7 +62,7 @@ def swiglu(h: torch.Tensor, *, backend: Optional[str] = None) -> torch.Tensor:
             raise TypeError(f"the cuda SwiGLU kernels take float32, float16 or bfloat16, got {h.dtype}")
         if h.numel() > 0:
             flat = h.reshape(-1, h.shape[-1])
-            return torch.ops.moe_grouped.swiglu(flat).reshape(*h.shape[:-1], h.shape[-1] // 2)
+            return ops.swiglu(flat).reshape(*h.shape[:-1], h.shape[-1] // 2)
         # An empty h has nothing to compute: the composed ops give the (empty, differentiable) result,
         # where the kernel's [-1, width] view of zero elements would be ambiguous.
         name = "torch"
@@ -125,7 +126,7 @@ def swiglu_weighted_backward(
     name = resolve_weighted_backward_backend(backend, g.device)
     if name == "cuda" and g.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the cuda weighted SwiGLU backward takes float32, float16 or bfloat16, got {g.dtype}")
-    return torch.ops.moe_grouped.swiglu_weighted_backward(dh_u, g, weights, m_splits, name)
+    return ops.swiglu_weighted_backward(dh_u, g, weights, m_splits, name)
 
 
 def _check_weighted_backward_args(dh_u, g, weights, m_splits) -> None:

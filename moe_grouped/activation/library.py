@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import custom_op, ops
 from .._tensors import compute_dtype
 from . import cuda_backend, reference, torch_backend
 
@@ -29,7 +30,7 @@ def backend_module(name: str) -> ModuleType:
     return _MODULES[name]
 
 
-@torch.library.custom_op("moe_grouped::swiglu", mutates_args=())
+@custom_op("swiglu", mutates_args=())
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """[rows, 2 * ffn] -> [rows, ffn] with the core's forward kernel."""
     return cuda_backend.forward(h)
@@ -40,7 +41,7 @@ def _(h):
     return h.new_empty(h.shape[0], h.shape[1] // 2)
 
 
-@torch.library.custom_op("moe_grouped::swiglu_backward", mutates_args=())
+@custom_op("swiglu_backward", mutates_args=())
 def swiglu_backward(dy: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """[d_gate, d_up] [rows, 2 * ffn] from dy [rows, ffn] with the core's backward kernel."""
     return cuda_backend.backward(dy, h)
@@ -58,13 +59,13 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (h,) = ctx.saved_tensors
-    return torch.ops.moe_grouped.swiglu_backward(grad, h)
+    return ops.swiglu_backward(grad, h)
 
 
 swiglu.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("moe_grouped::swiglu_weighted_backward", mutates_args=())
+@custom_op("swiglu_weighted_backward", mutates_args=())
 def swiglu_weighted_backward(
     dh_u: torch.Tensor, g: torch.Tensor, weights: Optional[torch.Tensor], m_splits: Optional[torch.Tensor], backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,7 +83,7 @@ def _(dh_u, g, weights, m_splits, backend):
     return torch.empty_like(g), torch.empty_like(dh_u), g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
 
 
-@torch.library.custom_op("moe_grouped::swiglu_weighted_backward_", mutates_args=("dh_u", "g", "dprob"))
+@custom_op("swiglu_weighted_backward_", mutates_args=("dh_u", "g", "dprob"))
 def swiglu_weighted_backward_(
     dh_u: torch.Tensor,
     g: torch.Tensor,

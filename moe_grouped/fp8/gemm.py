@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._ops import custom_op, ops
 from .. import _core
 from ..gemm import cuda_backend
 from .quantize_reference import (
@@ -135,10 +136,10 @@ def grouped_fprop_fp8(
     _check_scales("w", w.scale_inv, (e, -(-n // BLOCK), -(-k // BLOCK)))
     if bias is not None and tuple(bias.shape) != (e, n):
         raise ValueError(f"bias must have shape {(e, n)}, got {tuple(bias.shape)}")
-    return torch.ops.moe_grouped.fp8_grouped_fprop(x.data, x.scale_inv, w.data, w.scale_inv, m_splits, bias, backend)
+    return ops.fp8_grouped_fprop(x.data, x.scale_inv, w.data, w.scale_inv, m_splits, bias, backend)
 
 
-@torch.library.custom_op("moe_grouped::fp8_grouped_fprop", mutates_args=())
+@custom_op("fp8_grouped_fprop", mutates_args=())
 def _fprop_op(
     x_data: torch.Tensor,
     x_scale_inv: torch.Tensor,
@@ -187,10 +188,10 @@ def grouped_dgrad_fp8(
         raise ValueError(f"dy has {n} columns but the transposed weights are [E, K, N] = {tuple(wt.data.shape)}")
     _check_scales("dy", dy.scale_inv, (m, -(-n // BLOCK)))
     _check_scales("wt", wt.scale_inv, (e, -(-k // BLOCK), -(-n // BLOCK)))
-    return torch.ops.moe_grouped.fp8_grouped_dgrad(dy.data, dy.scale_inv, wt.data, wt.scale_inv, m_splits, backend)
+    return ops.fp8_grouped_dgrad(dy.data, dy.scale_inv, wt.data, wt.scale_inv, m_splits, backend)
 
 
-@torch.library.custom_op("moe_grouped::fp8_grouped_dgrad", mutates_args=())
+@custom_op("fp8_grouped_dgrad", mutates_args=())
 def _dgrad_op(
     dy_data: torch.Tensor,
     dy_scale_inv: torch.Tensor,
@@ -260,12 +261,12 @@ def grouped_wgrad_fp8(
     out_dtype = targets[0].dtype
     if out_dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != out_dtype for t in targets):
         raise TypeError(f"wgrad outputs must all be float32 or all bfloat16, got {[t.dtype for t in targets]}")
-    torch.ops.moe_grouped.fp8_grouped_wgrad_(
+    ops.fp8_grouped_wgrad_(
         dyt.data, dyt.scale_inv, xt.data, xt.scale_inv, m_splits, targets, total_rows, accumulate, backend
     )
 
 
-@torch.library.custom_op("moe_grouped::fp8_grouped_wgrad_", mutates_args=("out",))
+@custom_op("fp8_grouped_wgrad_", mutates_args=("out",))
 def _wgrad_op(
     dyt_data: torch.Tensor,
     dyt_scale_inv: torch.Tensor,

@@ -24,6 +24,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from .._ops import custom_op, ops
 from .. import _checks, _core
 from ..gemm import cuda_backend  # the GEMMs' grouped operand and its address-array cache
 from .quantize_reference import (
@@ -101,7 +102,7 @@ def quantize_rowwise(
     rows, cols = x.shape
     data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
     scale_inv = torch.empty(rows, -(-cols // BLOCK), dtype=torch.float32, device=x.device)
-    torch.ops.moe_grouped.fp8_quantize_rowwise_(
+    ops.fp8_quantize_rowwise_(
         x, fp8_dtype, pow2_scales, float(amax_epsilon), data, scale_inv, _backend_of(x)
     )
     return BlockQuantized(data, scale_inv)
@@ -115,7 +116,7 @@ def _backend_of(x: torch.Tensor, backend: Optional[str] = None) -> str:
     return backend
 
 
-@torch.library.custom_op("moe_grouped::fp8_quantize_rowwise_", mutates_args=("data", "scale_inv"))
+@custom_op("fp8_quantize_rowwise_", mutates_args=("data", "scale_inv"))
 def _quantize_rowwise_op(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -230,7 +231,7 @@ def quantize_grouped(
     if dbias:
         sums = out.dbias if out is not None else torch.empty(num_groups, cols, dtype=torch.float32, device=x.device)
         _check_buffer("dbias", sums, (num_groups, cols), torch.float32, x.device)
-    torch.ops.moe_grouped.fp8_quantize_grouped_(
+    ops.fp8_quantize_grouped_(
         x, splits, fp8_dtype, pow2_scales, float(amax_epsilon), workspace_slot,
         None if row_buffers is None else row_buffers.data, None if row_buffers is None else row_buffers.scale_inv,
         columnwise.data, columnwise.scale_inv, sums, backend,
@@ -238,9 +239,7 @@ def quantize_grouped(
     return GroupedQuantized(row_buffers, columnwise, sums)
 
 
-@torch.library.custom_op(
-    "moe_grouped::fp8_quantize_grouped_", mutates_args=("row_data", "row_scale_inv", "data", "scale_inv", "dbias")
-)
+@custom_op("fp8_quantize_grouped_", mutates_args=("row_data", "row_scale_inv", "data", "scale_inv", "dbias"))
 def _quantize_grouped_op(
     x: torch.Tensor,
     m_splits: torch.Tensor,
@@ -324,16 +323,14 @@ def quantize_weights_128x128(
     if transpose:
         wt = _block_buffers("wt", None if out is None else out.wt, (num_groups, k, n),
                             (num_groups, col_tiles, row_tiles), fp8_dtype, device)
-    torch.ops.moe_grouped.fp8_quantize_weights_(
+    ops.fp8_quantize_weights_(
         experts, fp8_dtype, pow2_scales, float(amax_epsilon), w.data, w.scale_inv,
         None if wt is None else wt.data, None if wt is None else wt.scale_inv, _backend_of(experts[0], backend),
     )
     return WeightQuantized(w, wt)
 
 
-@torch.library.custom_op(
-    "moe_grouped::fp8_quantize_weights_", mutates_args=("data", "scale_inv", "t_data", "t_scale_inv")
-)
+@custom_op("fp8_quantize_weights_", mutates_args=("data", "scale_inv", "t_data", "t_scale_inv"))
 def _quantize_weights_op(
     weights: list[torch.Tensor],
     fp8_dtype: torch.dtype,

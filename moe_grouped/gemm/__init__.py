@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._ops import ops
 from .. import _checks, backends
 from .library import backend_module, check_backend_dtype
 
@@ -82,7 +83,7 @@ def grouped_fprop(
                 f"bias must have shape ({num_groups}, {n}) and dtype {x.dtype}, "
                 f"got shape {tuple(bias.shape)} and dtype {bias.dtype}"
             )
-    return torch.ops.moe_grouped.grouped_fprop(
+    return ops.grouped_fprop(
         x, list(weights), splits, bias, out_dtype or x.dtype, name, True
     )
 
@@ -100,7 +101,7 @@ def grouped_dgrad(
     _, n, _, splits, name = _prepare("dy", dy, weights, m_splits, backend)
     if dy.shape[1] != n:
         raise ValueError(f"dy has {dy.shape[1]} features but the weights have out_features={n}")
-    return torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), splits, out_dtype or dy.dtype, name, True)
+    return ops.grouped_dgrad(dy, list(weights), splits, out_dtype or dy.dtype, name, True)
 
 
 def grouped_wgrad(
@@ -153,7 +154,7 @@ def grouped_wgrad(
     name = backends.resolve(backend, dy.device)
     splits = _checks.normalize_splits(m_splits, groups, dy.shape[0], dy.device, backend=name)
     check_backend_dtype(name, dy.dtype)
-    torch.ops.moe_grouped.grouped_wgrad_(dy, x, splits, out, accumulate, name)
+    ops.grouped_wgrad_(dy, x, splits, out, accumulate, name)
     return out
 
 
@@ -174,7 +175,7 @@ def grouped_dbias(
     name = backends.resolve(backend, dy.device)
     splits = _checks.normalize_splits(m_splits, num_groups, dy.shape[0], dy.device, backend=name)
     check_backend_dtype(name, dy.dtype)
-    return torch.ops.moe_grouped.grouped_dbias(dy, splits, num_groups, out_dtype or dy.dtype, name)
+    return ops.grouped_dbias(dy, splits, num_groups, out_dtype or dy.dtype, name)
 
 
 def splits_to_offsets(
@@ -197,7 +198,7 @@ def splits_to_offsets(
     name = backends.resolve(backend, device)
     # Not backend=name: a same-device tensor is clamped, not refused, on every backend alike.
     splits = _checks.normalize_splits(m_splits, num_groups, total_rows, device)
-    return torch.ops.moe_grouped.splits_to_offsets(splits, total_rows, name)
+    return ops.splits_to_offsets(splits, total_rows, name)
 
 
 __all__ = [

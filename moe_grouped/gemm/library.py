@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import custom_op, ops
 from .. import _core
 from .._tensors import compute_dtype, gather_rows, gathered_operands, num_groups_of, offsets_with_zero
 # Registers swiglu_weighted_backward_, which grouped_dgrad_swiglu_ runs.
@@ -45,7 +46,7 @@ def _past_splits_zeroed(backend: str, out: torch.Tensor, m_splits: torch.Tensor,
     return backend_module(backend).zero_rows_past_splits(out, m_splits) if zero_tail else out
 
 
-@torch.library.custom_op("moe_grouped::grouped_fprop", mutates_args=())
+@custom_op("grouped_fprop", mutates_args=())
 def grouped_fprop(
     x: torch.Tensor,
     weights: list[torch.Tensor],
@@ -78,17 +79,17 @@ def _fprop_backward(ctx, grad_y):
     x, m_splits, *weights = ctx.saved_tensors
     grad_y = grad_y.to(x.dtype).contiguous()
     needs_x, needs_w, _, needs_bias = ctx.needs_input_grad[:4]
-    dx = (torch.ops.moe_grouped.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend, ctx.zero_tail)
+    dx = (ops.grouped_dgrad(grad_y, weights, m_splits, x.dtype, ctx.backend, ctx.zero_tail)
           if needs_x else None)
     dw = None
     if needs_w:
         # One [E, N, K] output even for separate weights (see grouped_linear).
         grads = grad_y.new_empty(num_groups_of(weights), weights[0].shape[-2], weights[0].shape[-1])
-        torch.ops.moe_grouped.grouped_wgrad_(grad_y, x, m_splits, [grads], False, ctx.backend)
+        ops.grouped_wgrad_(grad_y, x, m_splits, [grads], False, ctx.backend)
         dw = [grads] if len(weights) == 1 and weights[0].dim() == 3 else list(grads.unbind(0))
     db = None
     if ctx.has_bias and needs_bias:
-        db = torch.ops.moe_grouped.grouped_dbias(
+        db = ops.grouped_dbias(
             grad_y, m_splits, num_groups_of(weights), x.dtype, ctx.backend
         )
     return dx, dw, None, db, None, None, None
@@ -97,7 +98,7 @@ def _fprop_backward(ctx, grad_y):
 grouped_fprop.register_autograd(_fprop_backward, setup_context=_fprop_setup_context)
 
 
-@torch.library.custom_op("moe_grouped::grouped_dgrad", mutates_args=())
+@custom_op("grouped_dgrad", mutates_args=())
 def grouped_dgrad(
     dy: torch.Tensor,
     weights: list[torch.Tensor],
@@ -117,7 +118,7 @@ def _(dy, weights, m_splits, out_dtype, backend, zero_tail):
     return dy.new_empty(dy.shape[0], weights[0].shape[-1], dtype=out_dtype)
 
 
-@torch.library.custom_op("moe_grouped::grouped_dgrad_swiglu_", mutates_args=("g",))
+@custom_op("grouped_dgrad_swiglu_", mutates_args=("g",))
 def grouped_dgrad_swiglu_(
     dy: torch.Tensor,
     weights: list[torch.Tensor],
@@ -142,7 +143,7 @@ def grouped_dgrad_swiglu_(
         # Its tail (past the sum) becomes wh's, which nothing reads: not zeroed.
         dh_u = backend_module(backend).dgrad(dy, weights, m_splits, dy.dtype)
         dprob = g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
-        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
+        ops.swiglu_weighted_backward_(dh_u, g, routing_weights, m_splits, dprob, activation_backend)
         return dh_u, dprob
 
 
@@ -151,7 +152,7 @@ def _(dy, weights, m_splits, g, routing_weights, backend, activation_backend):
     return dy.new_empty(dy.shape[0], weights[0].shape[-1]), g.new_empty(g.shape[0], dtype=compute_dtype(g.dtype))
 
 
-@torch.library.custom_op("moe_grouped::grouped_wgrad_", mutates_args=("out",))
+@custom_op("grouped_wgrad_", mutates_args=("out",))
 def grouped_wgrad_(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -180,7 +181,7 @@ def _gathered_gemm_op(kind: str, width_dim: int):
     kernel gathers the rows first and zeros the rows past the splits; its output has ``weights[0].shape[width_dim]``
     columns."""
 
-    @torch.library.custom_op(f"moe_grouped::grouped_{kind}_gathered", mutates_args=())
+    @custom_op(f"grouped_{kind}_gathered", mutates_args=())
     def op(
         source: torch.Tensor,
         index: torch.Tensor,
@@ -211,7 +212,7 @@ grouped_fprop_gathered = _gathered_gemm_op("fprop", -2)
 grouped_dgrad_gathered = _gathered_gemm_op("dgrad", -1)
 
 
-@torch.library.custom_op("moe_grouped::grouped_fprop_swiglu", mutates_args=())
+@custom_op("grouped_fprop_swiglu", mutates_args=())
 def grouped_fprop_swiglu(
     source: torch.Tensor,
     index: Optional[torch.Tensor],
@@ -231,7 +232,7 @@ def _(source, index, weights, m_splits):
     return source.new_empty(rows, n), source.new_empty(rows, n // 2)
 
 
-@torch.library.custom_op("moe_grouped::grouped_wgrad_gathered_", mutates_args=("out",))
+@custom_op("grouped_wgrad_gathered_", mutates_args=("out",))
 def grouped_wgrad_gathered_(
     dy: torch.Tensor,
     dy_index: Optional[torch.Tensor],
@@ -256,7 +257,7 @@ def _(dy, dy_index, x, x_index, m_splits, out, accumulate, backend):
     return None
 
 
-@torch.library.custom_op("moe_grouped::grouped_dbias", mutates_args=())
+@custom_op("grouped_dbias", mutates_args=())
 def grouped_dbias(
     dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: torch.dtype, backend: str
 ) -> torch.Tensor:
@@ -269,7 +270,7 @@ def _(dy, m_splits, num_groups, out_dtype, backend):
     return dy.new_empty(num_groups, dy.shape[1], dtype=out_dtype)
 
 
-@torch.library.custom_op("moe_grouped::splits_to_offsets", mutates_args=())
+@custom_op("splits_to_offsets", mutates_args=())
 def splits_to_offsets(m_splits: torch.Tensor, total_rows: int, backend: str) -> torch.Tensor:
     with nvtx.range(f"moe_grouped.splits_to_offsets[{backend}]"):
         if backend == "cuda":

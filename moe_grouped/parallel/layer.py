@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._ops import ops
 from ..experts import Sinks
 from ..mlp import GroupedMLP, SwiGLUMLP
 from ..moe_layer import MoELayer, _AttachAuxLoss
@@ -421,7 +422,7 @@ class ExpertParallelMoELayer(nn.Module):
             per_expert = expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
             if self.drop_policy == "probs":
                 priority = routing.weights.detach().to(torch.float32).contiguous()
-        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+        row_id_map, m_splits = ops.permute_index(
             routing.experts.contiguous(), priority, self.num_experts, per_expert, False, backend
         )
         kept, dropped = kept_experts(routing.experts, row_id_map, m_splits, self.ep_size, self.budget)
@@ -436,7 +437,7 @@ class ExpertParallelMoELayer(nn.Module):
         the transport's buffer and starts the input gradient's combine beside
         the fc1 weight gradient.
         """
-        row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+        row_id_map, m_splits = ops.permute_index(
             experts.contiguous(), None, self.num_local_experts, -1, False, backend
         )
         if self.experts.uses_fused_path(tokens):
@@ -447,9 +448,9 @@ class ExpertParallelMoELayer(nn.Module):
                 tokens, weights, row_id_map, m_splits, self.capacity, zero_unmapped=False, permute_backend=backend,
                 sinks=sinks,
             )
-        permuted = torch.ops.moe_grouped.permute_rows(tokens, row_id_map, self.top_k, self.capacity, True, backend)
+        permuted = ops.permute_rows(tokens, row_id_map, self.top_k, self.capacity, True, backend)
         expert_out = self.experts(permuted, m_splits, is_first_microbatch)
-        return torch.ops.moe_grouped.unpermute_rows(expert_out, row_id_map, weights, self.top_k, backend)
+        return ops.unpermute_rows(expert_out, row_id_map, weights, self.top_k, backend)
 
     def _sinks(self, plan: RoutePlan) -> Sinks:
         transport: PeerTransport = self.transport  # type: ignore[assignment]

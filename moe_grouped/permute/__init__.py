@@ -48,6 +48,7 @@ import math
 
 import torch
 
+from .._ops import ops
 from .. import _checks, _core, backends
 from .library import backend_module  # registers the torch.ops.moe_grouped permute ops
 
@@ -209,7 +210,7 @@ def permute(
     )
     name = resolve_backend(backend, tokens.device)
     # Dropless, row_id_map is a permutation: every row gets a copy, none needs zeroing.
-    permuted = torch.ops.moe_grouped.permute_rows(
+    permuted = ops.permute_rows(
         tokens, row_id_map, experts.shape[1], rows, capacity_factor is not None, name
     )
     return permuted, m_splits, row_id_map
@@ -274,7 +275,7 @@ def permute_index(
     experts = experts.contiguous()
     by_probs = capacity is not None and drop_policy == "probs"
     priority = probs.detach().to(torch.float32).contiguous() if by_probs else None
-    row_id_map, m_splits = torch.ops.moe_grouped.permute_index(
+    row_id_map, m_splits = ops.permute_index(
         experts, priority, num_experts, -1 if capacity is None else capacity, bool(pad_to_capacity), name
     )
     return row_id_map, m_splits, permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
@@ -355,7 +356,7 @@ def unpermute(
     _check_dtype(name, permuted.dtype)
     if name == "reference" or _checks.debug_checks_enabled():
         _check_rows_in_range(row_id_map, permuted.shape[0])
-    return torch.ops.moe_grouped.unpermute_rows(permuted, row_id_map.contiguous(), weights, top_k, name)
+    return ops.unpermute_rows(permuted, row_id_map.contiguous(), weights, top_k, name)
 
 
 __all__ = [

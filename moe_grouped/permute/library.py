@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import custom_op, ops
 from ..graphs import nvtx
 from . import cuda_backend, reference, torch_backend
 
@@ -27,7 +28,7 @@ def backend_module(name: str) -> ModuleType:
     return _MODULES[name]
 
 
-@torch.library.custom_op("moe_grouped::permute_index", mutates_args=())
+@custom_op("permute_index", mutates_args=())
 def permute_index(
     experts: torch.Tensor,
     probs: Optional[torch.Tensor],
@@ -50,7 +51,7 @@ def _(experts, probs, num_experts, capacity, pad_to_capacity, backend):
     )
 
 
-@torch.library.custom_op("moe_grouped::permute_rows", mutates_args=())
+@custom_op("permute_rows", mutates_args=())
 def permute_rows(
     x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool, backend: str
 ) -> torch.Tensor:
@@ -77,14 +78,14 @@ def _permute_rows_setup_context(ctx, inputs, output):
 def _permute_rows_backward(ctx, grad):
     (row_id_map,) = ctx.saved_tensors
     # Each token's gradient is the sum over its top_k copies: an unweighted unpermute.
-    dx = torch.ops.moe_grouped.unpermute_rows(grad.contiguous(), row_id_map, None, ctx.top_k, ctx.backend)
+    dx = ops.unpermute_rows(grad.contiguous(), row_id_map, None, ctx.top_k, ctx.backend)
     return dx, None, None, None, None, None
 
 
 permute_rows.register_autograd(_permute_rows_backward, setup_context=_permute_rows_setup_context)
 
 
-@torch.library.custom_op("moe_grouped::unpermute_rows", mutates_args=())
+@custom_op("unpermute_rows", mutates_args=())
 def unpermute_rows(
     y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, backend: str
 ) -> torch.Tensor:
@@ -108,16 +109,16 @@ def _unpermute_rows_backward(ctx, grad):
     y, row_id_map, weights = ctx.saved_tensors
     grad = grad.contiguous()
     if not ctx.has_weights:
-        dy = torch.ops.moe_grouped.permute_rows(grad, row_id_map, ctx.top_k, ctx.num_rows, True, ctx.backend)
+        dy = ops.permute_rows(grad, row_id_map, ctx.top_k, ctx.num_rows, True, ctx.backend)
         return dy, None, None, None, None
-    dy, dweights = torch.ops.moe_grouped.unpermute_rows_backward(grad, y, row_id_map, weights, ctx.backend)
+    dy, dweights = ops.unpermute_rows_backward(grad, y, row_id_map, weights, ctx.backend)
     return dy, None, dweights if ctx.needs_input_grad[2] else None, None, None
 
 
 unpermute_rows.register_autograd(_unpermute_rows_backward, setup_context=_unpermute_rows_setup_context)
 
 
-@torch.library.custom_op("moe_grouped::unpermute_rows_into_", mutates_args=("out",))
+@custom_op("unpermute_rows_into_", mutates_args=("out",))
 def unpermute_rows_into_(
     y: torch.Tensor, row_id_map: torch.Tensor, weights: Optional[torch.Tensor], top_k: int, backend: str,
     out: torch.Tensor,
@@ -137,7 +138,7 @@ def _(y, row_id_map, weights, top_k, backend, out):
     return None
 
 
-@torch.library.custom_op("moe_grouped::unpermute_rows_backward", mutates_args=())
+@custom_op("unpermute_rows_backward", mutates_args=())
 def unpermute_rows_backward(
     dout: torch.Tensor, y: torch.Tensor, row_id_map: torch.Tensor, weights: torch.Tensor, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:

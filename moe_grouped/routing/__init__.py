@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .._ops import ops
 from . import cuda_backend, reference, torch_backend
 from .cuda_backend import SOFTMAX_ALL, SOFTMAX_CHOSEN
 from .library import SoftmaxRoute  # also registers the torch.ops.moe_grouped routing ops
@@ -36,7 +37,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def choose_experts(scores: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts [T, top_k] int64, best first; counts [E] int64) for ``scores`` [T, E]."""
-    return torch.ops.moe_grouped.route_topk(scores.contiguous(), top_k, cuda_backend.topk_applies(scores, top_k))
+    return ops.route_topk(scores.contiguous(), top_k, cuda_backend.topk_applies(scores, top_k))
 
 
 def softmax_route_applies(x: torch.Tensor, weight: torch.Tensor, top_k: int) -> bool:

@@ -11,11 +11,12 @@ from typing import Optional
 
 import torch
 
+from .._ops import custom_op, ops
 from . import cuda_backend, reference
 from .torch_backend import gate_grads_from_halves
 
 
-@torch.library.custom_op("moe_grouped::route_topk", mutates_args=())
+@custom_op("route_topk", mutates_args=())
 def route_topk(scores: torch.Tensor, top_k: int, use_kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(experts, counts) of :func:`moe_grouped.routing.choose_experts`; ``use_kernel``: the core's kernel."""
     if not use_kernel:
@@ -31,7 +32,7 @@ def _(scores, top_k, use_kernel):
     )
 
 
-@torch.library.custom_op("moe_grouped::route_softmax", mutates_args=())
+@custom_op("route_softmax", mutates_args=())
 def route_softmax(
     logits: torch.Tensor, top_k: int, mode: int, scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +52,7 @@ def _(logits, top_k, mode, scaling):
     )
 
 
-@torch.library.custom_op("moe_grouped::route_softmax_backward", mutates_args=())
+@custom_op("route_softmax_backward", mutates_args=())
 def route_softmax_backward(
     logits: torch.Tensor,
     lse: torch.Tensor,
@@ -82,7 +83,7 @@ class SoftmaxRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, top_k: int, mode: int, scaling: float):
         logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
-        experts, counts, weights, lse, losses = torch.ops.moe_grouped.route_softmax(logits, top_k, mode, scaling)
+        experts, counts, weights, lse, losses = ops.route_softmax(logits, top_k, mode, scaling)
         ctx.save_for_backward(x, weight, logits, lse, experts, counts)
         ctx.top_k, ctx.mode, ctx.scaling = top_k, mode, scaling
         ctx.mark_non_differentiable(experts, counts)
@@ -95,7 +96,7 @@ class SoftmaxRoute(torch.autograd.Function):
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_x or need_weight):
             return None, None, None, None, None
-        halves = torch.ops.moe_grouped.route_softmax_backward(
+        halves = ops.route_softmax_backward(
             logits, lse, experts, counts, ctx.top_k, ctx.mode, ctx.scaling,
             _contiguous(grad_weights), _contiguous(grad_losses), _contiguous(grad_logits),
         )

@@ -1,0 +1,120 @@
+"""The package's ``torch.library`` ops, and a cheap way to call them from eager code.
+
+Every op is defined with :func:`custom_op`, which registers it as
+``torch.ops.moe_grouped.<name>`` and keeps its Python body. ``ops.<name>(...)``
+runs that body directly when nothing needs what the dispatcher adds around it:
+
+- nothing traces: not torch.compile, no dispatch or torch-function mode
+  (FakeTensor, functionalization, export, ``with torch.device(...)``), no
+  functorch transform, and every tensor argument a plain ``torch.Tensor``
+  (or ``nn.Parameter``), not a subclass, and not on the meta device;
+- no autograd through the op: grad mode off, or no tensor argument that
+  requires grad (inside an ``autograd.Function``'s forward and backward,
+  where the layers call their ops, grad mode is off);
+- only positional arguments.
+
+Otherwise it calls ``torch.ops.moe_grouped.<name>``. The direct call skips
+the dispatcher's round trip, which costs more host time than the op's own
+work (docs/host-overhead.md), and does what the dispatcher would have done
+that matters here: it bumps the version counter of each tensor the op
+mutates, so autograd still refuses a backward through a saved tensor that
+was changed in place. Tensors created in inference mode go through the
+dispatcher (it alone knows their rules).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from typing import Callable, Sequence
+
+import torch
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_SET = frozenset(_PLAIN)
+_IS_META = operator.attrgetter("is_meta")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_BODIES: dict[str, tuple[Callable, tuple[int, ...]]] = {}
+_peek_transforms = torch._C._functorch.peek_interpreter_stack
+
+
+def custom_op(name: str, *, mutates_args: Sequence[str]):
+    """``torch.library.custom_op("moe_grouped::<name>", mutates_args=...)`` that also records the body for
+    :data:`ops`."""
+
+    def register(fn: Callable):
+        op = torch.library.custom_op(f"moe_grouped::{name}", mutates_args=tuple(mutates_args))(fn)
+        params = list(inspect.signature(fn).parameters)
+        _BODIES[name] = (fn, tuple(params.index(arg) for arg in mutates_args))
+        return op
+
+    return register
+
+
+def _plain(value, grad: bool) -> bool:
+    """Whether ``value`` (an argument) lets the body run directly."""
+    kind = type(value)
+    if kind in _PLAIN:
+        # Meta tensors take the op's fake implementation, which only the dispatcher picks.
+        return not (value.is_meta or (grad and value.requires_grad))
+    if kind is list or kind is tuple:
+        if not value:
+            return True
+        if not set(map(type, value)) <= _PLAIN_SET:  # C-level loops: lists hold every expert's matrix
+            return all(_plain(item, grad) for item in value)  # non-tensors (ints, None) or subclasses
+        return not any(map(_IS_META, value)) and not (grad and any(map(_REQUIRES_GRAD, value)))
+    return not isinstance(value, torch.Tensor)  # a tensor subclass (FakeTensor, DTensor, ...) is not plain
+
+
+def _eager_only() -> bool:
+    """True when no compiler, mode or transform could be watching the call."""
+    return not (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._is_torch_function_mode_enabled()
+        or _peek_transforms() is not None
+    )
+
+
+def _mutated(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for t in value if isinstance(t, torch.Tensor)] if isinstance(value, (list, tuple)) else []
+
+
+def _caller(name: str) -> Callable:
+    body, mutated = _BODIES[name]
+    op = getattr(torch.ops.moe_grouped, name)
+
+    def call(*args):
+        if not _eager_only():
+            return op(*args)
+        grad = torch.is_grad_enabled()
+        if not all(_plain(arg, grad) for arg in args):
+            return op(*args)
+        targets = [t for i in mutated for t in _mutated(args[i])]
+        inference = torch.is_inference_mode_enabled()
+        if not inference and any(t.is_inference() for t in targets):
+            return op(*args)
+        out = body(*args)
+        if targets and not inference:
+            torch.autograd.graph.increment_version(targets)
+        return out
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"``torch.ops.moe_grouped.{name}``, its body called directly in plain eager code."
+    return call
+
+
+class _Ops:
+    """``ops.<name>(*args)``: the op ``torch.ops.moe_grouped.<name>``, called cheaply where it can be."""
+
+    def __getattr__(self, name: str) -> Callable:
+        if name not in _BODIES:
+            raise AttributeError(f"moe_grouped defines no op {name!r}")
+        call = _caller(name)
+        setattr(self, name, call)  # built once per op
+        return call
+
+
+ops = _Ops()

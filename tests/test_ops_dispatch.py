@@ -1,0 +1,126 @@
+"""``moe_grouped._ops.ops``: the direct eager call of an op gives what the dispatcher gives, and steps
+aside wherever the dispatcher does more (autograd, fake and meta tensors, compile, inference tensors)."""
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from moe_grouped._ops import _BODIES, ops
+
+
+def problem(num_experts=3, total=12, k=8, n=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(total, k, generator=gen)
+    w = torch.randn(num_experts, n, k, generator=gen)
+    dy = torch.randn(total, n, generator=gen)
+    return x, [w], dy, torch.tensor([5, 0, total - 5])
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """Counts the bodies run directly (not through the dispatcher)."""
+    calls = []
+    for name, (body, mutated) in list(_BODIES.items()):
+        def counted(*args, _body=body, _name=name):
+            calls.append(_name)
+            return _body(*args)
+        monkeypatch.setitem(_BODIES, name, (counted, mutated))
+    built = dict(vars(ops))  # the callers built so far hold the real bodies: build new ones
+    vars(ops).clear()
+    yield calls
+    vars(ops).clear()
+    vars(ops).update(built)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_direct_call_equals_the_dispatched_op(backend, direct_calls):
+    x, w, dy, splits = problem()
+    with torch.no_grad():
+        direct = ops.grouped_fprop(x, w, splits, None, torch.float32, backend, True)
+        dispatched = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, backend, True)
+    assert direct_calls == ["grouped_fprop"]
+    torch.testing.assert_close(direct, dispatched, rtol=0, atol=0)
+
+
+def test_autograd_goes_through_the_dispatcher(direct_calls):
+    x, w, dy, splits = problem()
+    x.requires_grad_(True)
+    w[0].requires_grad_(True)
+    y = ops.grouped_fprop(x, w, splits, None, torch.float32, "reference", True)
+    assert direct_calls == [] and y.grad_fn is not None
+    y.backward(dy)
+    ref_x = x.detach().clone().requires_grad_(True)
+    ref_w = w[0].detach().clone().requires_grad_(True)
+    torch.ops.moe_grouped.grouped_fprop(ref_x, [ref_w], splits, None, torch.float32, "reference", True).backward(dy)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(w[0].grad, ref_w.grad)
+
+
+def test_direct_in_place_op_bumps_the_version_autograd_checks(direct_calls):
+    x, w, dy, splits = problem()
+    out = torch.zeros_like(w[0])
+    leaf = torch.ones(3, requires_grad=True)
+    saved = (leaf[:, None, None] * out).sum()  # mul saves `out` for leaf's gradient
+    version = out._version
+    with torch.no_grad():
+        ops.grouped_wgrad_(dy, x, splits, [out], False, "reference")
+    assert direct_calls == ["grouped_wgrad_"]
+    assert out._version > version
+    assert out.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
+def test_fake_and_meta_tensors_take_the_fake_implementation(direct_calls):
+    with torch.no_grad():
+        meta = ops.grouped_fprop(
+            torch.empty(12, 8, device="meta"), [torch.empty(3, 4, 8, device="meta")],
+            torch.empty(3, dtype=torch.int64, device="meta"), None, torch.float32, "torch", True,
+        )
+        with FakeTensorMode():
+            fake = ops.grouped_fprop(
+                torch.empty(12, 8), [torch.empty(3, 4, 8)], torch.empty(3, dtype=torch.int64), None,
+                torch.float32, "torch", True,
+            )
+    assert direct_calls == []
+    assert meta.shape == (12, 4) and meta.device.type == "meta"
+    assert fake.shape == (12, 4)
+
+
+def test_a_torch_function_mode_takes_the_dispatcher(direct_calls):
+    x, w, dy, splits = problem()
+    with torch.no_grad(), torch.device("cpu"):
+        y = ops.grouped_fprop(x, w, splits, None, torch.float32, "reference", True)
+    assert direct_calls == [] and y.shape == (12, 4)
+
+
+def test_compiled_code_calls_the_registered_op(direct_calls):
+    x, w, dy, splits = problem()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(x, w, splits):
+        return ops.grouped_fprop(x, [w], splits, None, torch.float32, "torch", True)
+
+    with torch.no_grad():
+        y = f(x, w[0], splits)
+        expected = torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32, "torch", True)
+    assert "grouped_fprop" not in direct_calls
+    torch.testing.assert_close(y, expected)
+
+
+def test_inference_tensors_get_the_dispatcher_rules(direct_calls):
+    x, w, dy, splits = problem()
+    with torch.inference_mode():
+        out = torch.zeros_like(w[0])
+    with pytest.raises(RuntimeError, match="[Ii]nference"):
+        with torch.no_grad():
+            ops.grouped_wgrad_(dy, x, splits, [out], False, "reference")
+    assert direct_calls == []
+    with torch.inference_mode():
+        ops.grouped_wgrad_(dy, x, splits, [out], False, "reference")
+    assert direct_calls == ["grouped_wgrad_"] and out.abs().sum() > 0
+
+
+def test_unknown_op_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no op 'not_an_op'"):
+        ops.not_an_op
