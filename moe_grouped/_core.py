@@ -469,8 +469,14 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+# torch's C accessor of the current stream's handle (CUDA builds): no Stream object is built per call.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def stream_handle(device: torch.device) -> int:
     """The raw cudaStream_t of the current torch stream on ``device``."""
+    if _raw_stream is not None:
+        return _raw_stream(device_index(device))
     return torch.cuda.current_stream(device).cuda_stream
 
 

@@ -54,11 +54,17 @@ def core_kernels_unavailable_reason(device: torch.device, capability: int, kerne
         return _core.unavailable_reason
     if not _core.has(capability):
         return f"the core was built without its {kernels}"
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0):
-        name = torch.cuda.get_device_name(device)
-        return f"the core's kernels are built for sm_90a (Hopper), but {name} is sm_{major}{minor}"
-    return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _ARCH_REASONS:  # asked for every op of every call: the device query once per GPU
+        major, minor = torch.cuda.get_device_capability(index)
+        _ARCH_REASONS[index] = None if (major, minor) == (9, 0) else (
+            f"the core's kernels are built for sm_90a (Hopper), but {torch.cuda.get_device_name(index)} "
+            f"is sm_{major}{minor}"
+        )
+    return _ARCH_REASONS[index]
+
+
+_ARCH_REASONS: dict[int, Optional[str]] = {}
 
 
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:

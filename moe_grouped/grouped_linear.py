@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._ops import ops
 from . import _checks, backends
 from .fp8 import get_fp8_recipe
 from .fp8 import linear as fp8_linear
@@ -52,7 +53,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         params, main_grads = tensors[: spec.num_params], tensors[spec.num_params :]
         weights, biases = list(params[: spec.num_weights]), params[spec.num_weights :]
         bias = _stack_biases(biases) if spec.has_bias else None
-        y = torch.ops.moe_grouped.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend, True)
+        y = ops.grouped_fprop(x, weights, m_splits, bias, x.dtype, spec.backend, True)
         ctx.save_for_backward(x, m_splits, *params)
         # Not saved tensors: other micro-batches accumulate into them before
         # this backward runs, which the saved-tensor version check would refuse.
@@ -70,7 +71,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = torch.ops.moe_grouped.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend, True)
+            dx = ops.grouped_dgrad(dy, list(weights), m_splits, x.dtype, spec.backend, True)
         param_grads = [None] * len(params)
         if any(ctx.needs_input_grad[4 : 4 + spec.num_params]):
             if spec.delay_wgrad_compute:
@@ -80,6 +81,17 @@ class _GroupedLinearFunction(torch.autograd.Function):
             else:
                 param_grads = _param_grads(spec, dy, x, m_splits, weights, biases, main_grads)
         return (dx, None, None, None, *param_grads, *([None] * len(main_grads)))
+
+
+_EXPERT_NAMES: dict[tuple[str, int], tuple[str, ...]] = {}
+
+
+def _expert_names(prefix: str, num_experts: int) -> tuple[str, ...]:
+    """("weight0", ..., f"weight{E-1}") for prefix "weight": the per-expert parameter names."""
+    names = _EXPERT_NAMES.get((prefix, num_experts))
+    if names is None:
+        names = _EXPERT_NAMES[(prefix, num_experts)] = tuple(f"{prefix}{e}" for e in range(num_experts))
+    return names
 
 
 def _stack_biases(biases) -> torch.Tensor:
@@ -110,7 +122,7 @@ def _grouped_wgrad_into_fresh(dy, x, m_splits, weights, backend: str) -> list[to
     """
     w = weights[0]
     grads = torch.empty(len(weights) if w.dim() == 2 else w.shape[0], *w.shape[-2:], dtype=w.dtype, device=w.device)
-    torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, [grads], False, backend)
+    ops.grouped_wgrad_(dy, x, m_splits, [grads], False, backend)
     return [grads] if w.dim() == 3 else list(grads.unbind(0))
 
 
@@ -122,13 +134,13 @@ def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases, main_grads) -> l
     as Megatron expects).
     """
     if spec.fuse_wgrad_accumulation:
-        torch.ops.moe_grouped.grouped_wgrad_(dy, x, m_splits, list(main_grads), True, spec.backend)
+        ops.grouped_wgrad_(dy, x, m_splits, list(main_grads), True, spec.backend)
         weight_grads = [None] * len(weights)
     else:
         weight_grads = _grouped_wgrad_into_fresh(dy, x, m_splits, weights, spec.backend)
     bias_grads = []
     if spec.has_bias:
-        dbias = torch.ops.moe_grouped.grouped_dbias(dy, m_splits, num_groups_of(weights), dy.dtype, spec.backend)
+        dbias = ops.grouped_dbias(dy, m_splits, num_groups_of(weights), dy.dtype, spec.backend)
         bias_grads = [dbias] if len(biases) == 1 and biases[0].dim() == 2 else list(dbias.unbind(0))
     return [*weight_grads, *bias_grads]
 
@@ -207,14 +219,22 @@ class GroupedLinear(nn.Module):
         """The weight parameters: ``[weight]`` or ``[weight0, ..., weight{E-1}]``."""
         if self.single_grouped_weight:
             return [self.weight]
-        return [getattr(self, f"weight{e}") for e in range(self.num_experts)]
+        return self._per_expert("weight")
 
     def biases(self) -> list[torch.Tensor]:
         if not self.use_bias:
             return []
         if self.single_grouped_weight:
             return [self.bias]
-        return [getattr(self, f"bias{e}") for e in range(self.num_experts)]
+        return self._per_expert("bias")
+
+    def _per_expert(self, prefix: str) -> list[torch.Tensor]:
+        # Read from _parameters (what nn.Module's attribute lookup finds first) without a
+        # __getattr__ per expert; an expert whose parameter was replaced by a plain tensor
+        # attribute is looked up the usual way.
+        params = self._parameters
+        return [params[name] if name in params else getattr(self, name)
+                for name in _expert_names(prefix, self.num_experts)]
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -287,11 +307,16 @@ class GroupedLinear(nn.Module):
             x, splits, spec, recipe, self._delayed, cached, *params, *main_grads
         )
 
+    def _spec_key(self) -> tuple:
+        """What :meth:`_spec` (with the backend resolved) depends on."""
+        return (self.backend, self.single_grouped_weight, self.num_experts, self.use_bias,
+                self.fuse_wgrad_accumulation, self.delay_wgrad_compute)
+
     def _spec(self, backend: str) -> _Spec:
         """What an autograd function running this layer on ``backend`` needs to know of it."""
         return _Spec(
             backend=backend,
-            num_weights=len(self.weights()),
+            num_weights=1 if self.single_grouped_weight else self.num_experts,
             has_bias=self.use_bias,
             fuse_wgrad_accumulation=self.fuse_wgrad_accumulation,
             delay_wgrad_compute=self.delay_wgrad_compute,

@@ -147,6 +147,19 @@ class GroupedMLP(nn.Module):
         return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks)
 
     def _plan(self, x: torch.Tensor, *, routed: bool, permute_backend: str = "", **static) -> Plan:
+        # A Plan is a function of this key only (the backends resolve the same for a device and dtype
+        # in one process); built on every call it costs more host time than some of the kernels it runs.
+        if torch.compiler.is_compiling():  # traced once; the cache would be a side effect to trace
+            return self._new_plan(x, routed=routed, permute_backend=permute_backend, **static)
+        key = (x.device, x.dtype, routed, permute_backend, tuple(sorted(static.items())), self.fc1._spec_key(),
+               self.fc2._spec_key())
+        plans = self.__dict__.setdefault("_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = plans[key] = self._new_plan(x, routed=routed, permute_backend=permute_backend, **static)
+        return plan
+
+    def _new_plan(self, x: torch.Tensor, *, routed: bool, permute_backend: str, **static) -> Plan:
         gemm = backends.resolve(self.fc1.backend, x.device)
         check_backend_dtype(gemm, x.dtype)
         return Plan(
@@ -155,7 +168,7 @@ class GroupedMLP(nn.Module):
             activation_backend=resolve_weighted_backward_backend(gemm, x.device),
             fc1=self.fc1._spec(gemm),
             fc2=self.fc2._spec(gemm),
-            num_fc1_weights=len(self.fc1.weights()),
+            num_fc1_weights=1 if self.fc1.single_grouped_weight else self.fc1.num_experts,
             routed=routed,
             **static,
         )

@@ -67,10 +67,16 @@ _POINTER_ARRAYS: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
 
 def _pointer_array(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     device = tensors[0].device
-    key = (_core.device_index(tensors[0].device), tuple(t.data_ptr() for t in tensors))
+    key = (_core.device_index(device), tuple(map(torch.Tensor.data_ptr, tensors)))
     array = _POINTER_ARRAYS.get(key)
     if array is not None:
         return array
+    for e, w in enumerate(tensors):
+        if w.data_ptr() % 16 != 0:
+            raise ValueError(
+                f"the cuda backend needs 16-byte aligned expert matrices; expert {e}'s starts at "
+                f"address {w.data_ptr():#x}"
+            )
     if torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "the cuda backend needs a device array of the experts' weight (or gradient) addresses, "
@@ -94,13 +100,10 @@ def _operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
         w = tensors[0]
         _require_contiguous("the grouped weight", w)
         return _core.GroupOperand(base=w.data_ptr(), group_stride=w.stride(0), ptrs=None)
-    for e, w in enumerate(tensors):
-        _require_contiguous(f"expert {e}'s matrix", w)
-        if w.data_ptr() % 16 != 0:
-            raise ValueError(
-                f"the cuda backend needs 16-byte aligned expert matrices; expert {e}'s starts at "
-                f"address {w.data_ptr():#x}"
-            )
+    if not all(map(torch.Tensor.is_contiguous, tensors)):
+        for e, w in enumerate(tensors):
+            _require_contiguous(f"expert {e}'s matrix", w)
+    # Alignment is checked when an address array is built (the cache is keyed by the addresses).
     return _core.GroupOperand(base=None, group_stride=0, ptrs=_pointer_array(tensors).data_ptr())
 
 
