@@ -12,10 +12,13 @@ config's ``_experts_implementation`` (``experts_implementation=`` at load, or
     model = AutoModelForCausalLM.from_config(config, experts_implementation=name)
     model.set_experts_implementation(name)  # or switch a loaded model
 
-The forward is :func:`moe_grouped.permute` -> grouped GEMM with
-``gate_up_proj`` [E, 2I, H] -> :func:`moe_grouped.swiglu` -> grouped GEMM with
-``down_proj`` [E, H, I] -> :func:`moe_grouped.unpermute` weighted by the
-routing weights. The tokens per expert stay on the device, so it runs under
+The forward is :class:`moe_grouped.GroupedMLP`'s over the experts' weights
+(``gate_up_proj`` [E, 2I, H] as fc1, ``down_proj`` [E, H, I] as fc2): on the
+``cuda`` backend in bf16/fp16 its fused experts path (dispatch, both GEMMs,
+SwiGLU and the weighted combine in one autograd op, as in ``MoELayer``),
+elsewhere :func:`moe_grouped.permute` -> grouped GEMM -> SwiGLU -> grouped
+GEMM -> :func:`moe_grouped.unpermute` weighted by the routing weights. The
+tokens per expert stay on the device, so it runs under
 CUDA graph capture (on the ``cuda`` and ``torch`` backends); inside
 :func:`moe_grouped.fp8.fp8_autocast` both GEMMs run in FP8 block scaling. The
 experts' own parameters are used in place (no copies): checkpoints, optimizers
@@ -43,11 +46,10 @@ import torch
 from torch import nn
 
 from .. import backends
-from ..activation import swiglu
 from ..fp8 import get_fp8_recipe
-from ..grouped_linear import GroupedLinear
 from ..gemm import check_backend_dtype
-from ..permute import permute, unpermute
+from ..mlp import GroupedMLP
+from ..permute import permute, permute_index, resolve_backend, unpermute
 
 DEFAULT_NAME = "moe_grouped"
 _INSTALL = 'pip install "moe_grouped[transformers]"'
@@ -170,14 +172,17 @@ def unsupported_reasons(experts: nn.Module) -> list[str]:
     return reasons
 
 
-def _check_inputs(experts, hidden_states, top_k_index, top_k_weights, backend: Optional[str]) -> None:
+def _check_module(experts: nn.Module, backend: Optional[str]) -> None:
+    """Raises when this implementation cannot run ``experts`` (the module, not the inputs)."""
     reasons = unsupported_reasons(experts)
     if reasons:
         raise NotImplementedError(
             f"moe_grouped's experts implementation cannot run {type(experts).__name__}: {'; '.join(reasons)}. "
             f"{_USE_INSTEAD}"
         )
-    gate_up = experts.gate_up_proj
+
+
+def _check_inputs(gate_up: torch.Tensor, hidden_states, top_k_index, top_k_weights, backend: Optional[str]) -> None:
     hidden = gate_up.shape[2]
     if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2 or hidden_states.shape[1] != hidden:
         raise ValueError(
@@ -204,37 +209,31 @@ def _check_inputs(experts, hidden_states, top_k_index, top_k_weights, backend: O
 
 
 class _Views:
-    """Two parameterless GroupedLinear layers over an experts module's own weights.
+    """A parameterless :class:`GroupedMLP` over an experts module's own weights.
 
-    GroupedLinear is where the bf16-or-FP8 choice (inside fp8_autocast) and
-    its backward live; pointing one at the experts' tensors reuses that with
-    no copy. When the experts' tensors are replaced (``to_empty``, FSDP
-    swapping sharded and full parameters) the views follow them.
+    Its ``fc1`` and ``fc2`` (GroupedLinear, where the bf16-or-FP8 choice and
+    the backward live) point at ``gate_up_proj`` and ``down_proj`` with no
+    copy; the same layout as ours (gate rows first, weights [E, out, in]).
+    When the experts' tensors are replaced (``to_empty``, FSDP swapping
+    sharded and full parameters) the views follow them, and the module is
+    checked again.
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]):
-        self.gate_up = self._linear(gate_up.shape, gate_up.dtype, backend)
-        self.down = self._linear(down.shape, down.dtype, backend)
+        num_experts, double_ffn, hidden = gate_up.shape
+        self.mlp = GroupedMLP(
+            num_experts, hidden, double_ffn // 2, single_grouped_weight=True, dtype=gate_up.dtype, device="meta",
+            backend=backend,
+        )
         self.backend = backend
         self.point_at(gate_up, down)
 
-    @staticmethod
-    def _linear(shape, dtype, backend: Optional[str]) -> GroupedLinear:
-        num_experts, out_features, in_features = shape
-        return GroupedLinear(
-            num_experts, in_features, out_features, bias=False, single_grouped_weight=True,
-            dtype=dtype, device="meta", backend=backend,
-        )
-
     def fits(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]) -> bool:
-        return (
-            self.backend == backend
-            and tuple(self.gate_up.weight.shape) == tuple(gate_up.shape)
-            and tuple(self.down.weight.shape) == tuple(down.shape)
-        )
+        """Whether these views stand for exactly these tensors (the module was checked with them)."""
+        return self.backend == backend and self.mlp.fc1.weight is gate_up and self.mlp.fc2.weight is down
 
     def point_at(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
-        for linear, weight in ((self.gate_up, gate_up), (self.down, down)):
+        for linear, weight in ((self.mlp.fc1, gate_up), (self.mlp.fc2, down)):
             if linear.weight is not weight:
                 del linear.weight  # a Parameter (or plain tensor) of its own, or the experts' previous one
                 linear.weight = weight
@@ -245,9 +244,13 @@ _VIEWS: "weakref.WeakKeyDictionary[nn.Module, _Views]" = weakref.WeakKeyDictiona
 
 
 def _views_of(experts: nn.Module, backend: Optional[str]) -> _Views:
-    gate_up, down = experts.gate_up_proj, experts.down_proj
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     views = _VIEWS.get(experts)
-    if views is None or not views.fits(gate_up, down, backend):
+    if views is not None and views.fits(gate_up, down, backend):
+        return views
+    _check_module(experts, backend)
+    if views is None or views.backend != backend or tuple(views.mlp.fc1.weight.shape) != tuple(gate_up.shape) \
+            or tuple(views.mlp.fc2.weight.shape) != tuple(down.shape) or views.mlp.fc1.weight.dtype != gate_up.dtype:
         views = _VIEWS[experts] = _Views(gate_up, down, backend)
     else:
         views.point_at(gate_up, down)
@@ -264,6 +267,13 @@ def experts_forward(
 ) -> torch.Tensor:
     """A transformers experts module's forward with moe_grouped's ops.
 
+    Where :class:`moe_grouped.GroupedMLP` would take its fused experts path
+    (the ``cuda`` backend in bf16/fp16, outside FP8 autocast), this is that
+    path: one autograd op for the dispatch, both GEMMs, SwiGLU and the
+    weighted combine, as in :class:`moe_grouped.MoELayer`. Elsewhere it is
+    :func:`moe_grouped.permute`, the two grouped GEMMs with SwiGLU between,
+    and :func:`moe_grouped.unpermute`.
+
     Args:
         experts: the experts module (``gate_up_proj`` [E, 2I, H],
             ``down_proj`` [E, H, I]; see the module docstring for the layouts).
@@ -277,16 +287,23 @@ def experts_forward(
         expert_{top_k_index[t, j]}(hidden_states[t])``, differentiable in
         ``hidden_states``, ``top_k_weights`` and both weights.
     """
-    _check_inputs(experts, hidden_states, top_k_index, top_k_weights, backend)
     views = _views_of(experts, backend)
-    num_experts = experts.gate_up_proj.shape[0]
+    gate_up = experts.gate_up_proj
+    _check_inputs(gate_up, hidden_states, top_k_index, top_k_weights, backend)
+    mlp = views.mlp
     # Like transformers' grouped_mm: under torch.autocast the tokens may arrive in float32.
-    tokens = hidden_states.to(experts.gate_up_proj.dtype).contiguous()
-    permuted, m_splits, row_id_map = permute(tokens, top_k_index, num_experts, backend=backend)
-    h = views.gate_up(permuted, m_splits)
-    y = views.down(swiglu(h, backend=backend), m_splits)
-    weights = top_k_weights if top_k_weights.dtype in (torch.float32, y.dtype) else top_k_weights.float()
-    out = unpermute(y, row_id_map, weights.contiguous(), backend=backend)
+    tokens = hidden_states.to(gate_up.dtype).contiguous()
+    weights = top_k_weights if top_k_weights.dtype in (torch.float32, tokens.dtype) else top_k_weights.float()
+    weights = weights.contiguous()
+    if mlp.uses_fused_path(tokens):
+        row_id_map, m_splits, rows = permute_index(tokens, top_k_index, mlp.num_experts, backend=backend)
+        out = mlp.forward_routed(
+            tokens, weights, row_id_map, m_splits, rows, zero_unmapped=False,
+            permute_backend=resolve_backend(backend, tokens.device),
+        )
+    else:
+        permuted, m_splits, row_id_map = permute(tokens, top_k_index, mlp.num_experts, backend=backend)
+        out = unpermute(mlp(permuted, m_splits), row_id_map, weights, backend=backend)
     return out.to(hidden_states.dtype)
 
 
