@@ -1,8 +1,26 @@
+import os
+
 import pytest
 import torch
 
+# "i/n": run the i-th of n interleaved shards of the collected tests (tools/device.sh runs the GPU
+# suite as several processes this way).
+SHARD_ENV = "MOE_GROUPED_TEST_SHARD"
+
+
+def _keep_shard(config, items) -> None:
+    shard = os.environ.get(SHARD_ENV)
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"{SHARD_ENV} must be i/n with 0 <= i < n, got {shard!r}")
+    config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % count != index])
+    items[:] = items[index::count]
+
 
 def pytest_collection_modifyitems(config, items):
+    _keep_shard(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU; none is visible")

@@ -2,7 +2,7 @@
 # Usage: bash tools/build_core.sh   (here, no GPU needed; about 8 minutes the first time on 2 cores)
 # Builds the CUDA core (Release, sm_90a) into .devbuild/core with ninja, incrementally, and
 # copies the library to .devbuild/lib, which the device tool carries (carry: [".devbuild/lib"])
-# and MOE_GROUPED_CORE_LIB points at (tools/ep_device.sh does).
+# and MOE_GROUPED_CORE_LIB points at (tools/device.sh does).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH=/usr/local/cuda-13.0/bin:$PATH

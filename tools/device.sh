@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Usage (device tool, carrying .devbuild/lib): bash tools/ep_device.sh PHASE [PHASE...]
-# Expert-parallel work on a multi-GPU machine with a core built here and carried
-# (.devbuild/lib/libmoe_grouped_core.so; make it with tools/build_core.sh). Phases:
+# Usage (device tool, carrying .devbuild/lib): bash tools/device.sh PHASE [PHASE...]
+# GPU work with a core built here and carried (.devbuild/lib/libmoe_grouped_core.so; make it
+# with tools/build_core.sh) and, for the transformers cases, wheels in .whl/ (pip download
+# transformers nvtx for Python 3.12; carry both). Phases:
 #   smoke      ep_suite with few replays on 2 GPUs, then on 4
 #   suite      ep_suite with 1000 replays on 2 GPUs, then on 4
 #   sanitize   a short ep 2 run of ep_suite under compute-sanitizer memcheck
 #   bench      benchmarks/expert_parallel.py on 1, 2 and 4 GPUs (EP_SMS: --sms sweep)
 #   profile    tools/ep_profile.py on 2 GPUs and on 1 (EP_PROFILE_ARGS: its options)
 #   example    examples/train_moe.py --ep N --compare-eager --steps 200 (graphs vs eager; N = min(GPUs, 4))
-#   gpu-tests  the single-GPU test suite, its files spread over the visible GPUs
+#   gpu-tests  the single-GPU test suite in GPU_TEST_SHARDS processes (default 2 per GPU)
+#   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
 # Logs and results go to $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -16,6 +18,10 @@ OUT=${OUT:-/tmp/moe_grouped_out}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 export MOE_GROUPED_CORE_LIB=$PWD/.devbuild/lib/libmoe_grouped_core.so
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --find-links .whl transformers nvtx > /tmp/wheels.log 2>&1 \
+    || { tail -5 /tmp/wheels.log; echo "(wheels not installed)"; }
+fi
 MOE_GROUPED_BUILD_CORE=OFF python3 -m pip install -q --no-build-isolation --no-deps -e . > /tmp/install.log 2>&1 \
   || { tail -30 /tmp/install.log; exit 1; }
 python3 -m moe_grouped info | grep -E "core|gpu|torch" | head -6
@@ -61,18 +67,30 @@ for phase in "$@"; do
       TAIL=6 run "example$n" $torchrun_n "$n" examples/train_moe.py --device cuda --ep "$n" --compare-eager \
         --steps 200 --log-every 50 --sample 0 ;;
     gpu-tests)
-      mapfile -t files < <(ls tests/test_*.py | grep -v multi_gpu)
-      for ((g = 0; g < gpus; g++)); do
-        part=()
-        for ((i = g; i < ${#files[@]}; i += gpus)); do part+=("${files[i]}"); done
-        CUDA_VISIBLE_DEVICES=$g timeout -k 10 "${RUN_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider \
-          "${part[@]}" \
-          > "$OUT/gpu_tests$g.log" 2>&1 &
+      # Interleaved shards of the collected tests (tests/conftest.py), several per GPU: most tests
+      # are small, so the host, not the GPU, bounds one process.
+      # Each process gets its share of the cores (torch's default is every core in every process;
+      # tools/README.md has the slow run that led to this).
+      shards=${GPU_TEST_SHARDS:-$((gpus * 2))}
+      threads=$(( $(nproc) / shards > 0 ? $(nproc) / shards : 1 ))
+      for ((s = 0; s < shards; s++)); do
+        OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads \
+        MOE_GROUPED_TEST_SHARD="$s/$shards" CUDA_VISIBLE_DEVICES=$((s % gpus)) timeout -k 10 "${RUN_TIMEOUT:-300}" \
+          python3 -m pytest -q -p no:cacheprovider tests > "/tmp/gpu_tests$s.log" 2>&1 &
       done
       wait
-      for ((g = 0; g < gpus; g++)); do echo "gpu $g: $(tail -n 1 "$OUT/gpu_tests$g.log")"; done
-      grep -h -E "^(FAILED|ERROR)" "$OUT"/gpu_tests*.log | head -30
-      grep -q -E "^(FAILED|ERROR)" "$OUT"/gpu_tests*.log && status=1 ;;
+      for ((s = 0; s < shards; s++)); do
+        echo "shard $s/$shards: $(tail -n 1 "/tmp/gpu_tests$s.log")"
+        grep -E "^(FAILED|ERROR)" "/tmp/gpu_tests$s.log"
+      done | tee "$OUT/gpu_tests.log"
+      for ((s = 0; s < shards; s++)); do tail -n 60 "/tmp/gpu_tests$s.log"; done >> "$OUT/gpu_tests_tails.log"
+      grep -q -E "^(FAILED|ERROR)" /tmp/gpu_tests*.log && status=1
+      for ((s = 0; s < shards; s++)); do
+        tail -n 1 "/tmp/gpu_tests$s.log" | grep -q -E "passed|no tests ran" || status=1
+      done ;;
+    host)
+      TAIL=60 run host python3 benchmarks/host_overhead.py ${HOST_ARGS:-}
+      cp benchmarks/results/host_overhead-*.json "$OUT/" 2>/dev/null ;;
     *) echo "unknown phase $phase"; status=2 ;;
   esac
 done
