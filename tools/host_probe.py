@@ -1,6 +1,6 @@
-"""Where an eager MoE step's time goes: host issue time, GPU time, and the cost of single calls.
+"""Usage: python tools/host_probe.py [--single-weight]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
-Usage: python tools/host_probe.py [--single-weight]   (on the GPU machine)
+Where an eager MoE step's time goes: host issue time, GPU time, and the cost of single calls.
 
 Prints, for MoELayer (T=256, H=1024, F=512, E=64, k=8, bf16, cuda fused):
 the host time to issue a step when 1, 3 or 100 steps go back to back (the
