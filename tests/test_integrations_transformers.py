@@ -167,6 +167,69 @@ def test_experts_gradients_reach_the_routing_weights(routing):
         assert rel_err(got, want) <= 1e-5, (routing, label, rel_err(got, want))
 
 
+@pytest.fixture
+def fused_path(monkeypatch):
+    """Our forward takes GroupedMLP's fused experts path on the CPU too (by default only the cuda backend
+    does); the test fails unless the fused op ran."""
+    from moe_grouped.experts import FusedExpertsFunction
+
+    monkeypatch.setattr(moe_grouped.GroupedMLP, "uses_fused_path", lambda self, x: True)
+    calls = []
+    apply = FusedExpertsFunction.apply
+    monkeypatch.setattr(FusedExpertsFunction, "apply", lambda *args: calls.append(1) or apply(*args))
+    yield
+    assert calls, "the fused experts op never ran"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_path_block_matches_transformers(family, dtype, fused_path):
+    config = make_config(family)
+    block = make_block(config, family, dtype)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 9, config.hidden_size, generator=gen).to(dtype)
+    dy = torch.randn(2, 9, config.hidden_size, generator=gen).to(dtype)
+    want = run_block(block, "eager", x, dy)
+    got = run_block(block, TORCH_NAME, x, dy)
+    limit = 1e-5 if dtype == torch.float32 else 1e-2
+    assert_same_results(got, want, limit, f"fused path {family} {dtype}")
+
+
+@pytest.mark.parametrize("routing", ["random", "all_to_one", "most_experts_empty"])
+def test_fused_path_gradients_reach_the_routing_weights(routing, fused_path):
+    config = make_config(experts=8, top_k=2)
+    experts = make_block(config).experts
+    tokens, gen = 11, torch.Generator().manual_seed(4)
+    x = torch.randn(tokens, config.hidden_size, generator=gen)
+    index = {"random": torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]),
+             "all_to_one": torch.tensor([[5, 5]] * tokens), "most_experts_empty": torch.tensor([[1, 6]] * tokens)}[routing]
+    weights = torch.rand(tokens, 2, generator=gen)
+    dy = torch.randn(tokens, config.hidden_size, generator=gen)
+    results = {}
+    for implementation in ("eager", TORCH_NAME):
+        config._experts_implementation = implementation
+        experts.zero_grad(set_to_none=True)
+        xi, wi = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
+        out = experts(xi, index, wi)
+        out.backward(dy)
+        results[implementation] = [out, xi.grad, wi.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
+    for label, got, want in zip(["out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj"],
+                                results[TORCH_NAME], results["eager"]):
+        assert rel_err(got, want) <= 1e-5, (routing, label, rel_err(got, want))
+
+
+def test_fused_path_follows_replaced_weights(fused_path):
+    config = make_config()
+    experts = make_block(config).experts
+    x, index, weights = torch.randn(6, config.hidden_size), torch.randint(8, (6, 2)), torch.rand(6, 2)
+    config._experts_implementation = TORCH_NAME
+    experts(x, index, weights)
+    experts.gate_up_proj = nn.Parameter(-experts.gate_up_proj.detach())
+    got = experts(x, index, weights)
+    config._experts_implementation = "eager"
+    torch.testing.assert_close(got, experts(x, index, weights), rtol=1e-5, atol=1e-6)
+
+
 def test_gate_is_the_first_half_of_gate_up_proj():
     """Layout check independent of transformers' code: gate rows first, then up rows, not interleaved."""
     config = make_config(experts=2, top_k=1, hidden=4, ffn=3)
