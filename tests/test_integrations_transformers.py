@@ -139,12 +139,12 @@ def test_block_matches_transformers(family, dtype, theirs, ours):
     assert_same_results(got, want, limit, f"{family} {dtype} {ours} vs {theirs}")
 
 
-@pytest.mark.parametrize("routing", ["random", "all_to_one", "most_experts_empty"])
-def test_experts_gradients_reach_the_routing_weights(routing):
-    """The experts module alone, with routing weights as a leaf: d(top_k_weights) as transformers' eager."""
+def check_routing_weight_gradients(routing, ours, seed):
+    """The experts module alone, with routing weights as a leaf: output and gradients (the routing weights'
+    too) of ``ours`` as transformers' eager experts give them."""
     config = make_config(experts=8, top_k=2)
     experts = make_block(config).experts
-    tokens, top_k, gen = 11, 2, torch.Generator().manual_seed(2)
+    tokens, top_k, gen = 11, 2, torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, config.hidden_size, generator=gen)
     if routing == "random":
         index = torch.stack([torch.randperm(8, generator=gen)[:top_k] for _ in range(tokens)])
@@ -155,7 +155,7 @@ def test_experts_gradients_reach_the_routing_weights(routing):
     weights = torch.rand(tokens, top_k, generator=gen)
     dy = torch.randn(tokens, config.hidden_size, generator=gen)
     results = {}
-    for implementation in ("eager", NAME):
+    for implementation in ("eager", ours):
         config._experts_implementation = implementation
         experts.zero_grad(set_to_none=True)
         xi, wi = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
@@ -163,8 +163,16 @@ def test_experts_gradients_reach_the_routing_weights(routing):
         out.backward(dy)
         results[implementation] = [out, xi.grad, wi.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
     for label, got, want in zip(["out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj"],
-                                results[NAME], results["eager"]):
+                                results[ours], results["eager"]):
         assert rel_err(got, want) <= 1e-5, (routing, label, rel_err(got, want))
+
+
+ROUTINGS = ["random", "all_to_one", "most_experts_empty"]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_experts_gradients_reach_the_routing_weights(routing):
+    check_routing_weight_gradients(routing, NAME, seed=2)
 
 
 @pytest.fixture
@@ -195,27 +203,9 @@ def test_fused_path_block_matches_transformers(family, dtype, fused_path):
     assert_same_results(got, want, limit, f"fused path {family} {dtype}")
 
 
-@pytest.mark.parametrize("routing", ["random", "all_to_one", "most_experts_empty"])
+@pytest.mark.parametrize("routing", ROUTINGS)
 def test_fused_path_gradients_reach_the_routing_weights(routing, fused_path):
-    config = make_config(experts=8, top_k=2)
-    experts = make_block(config).experts
-    tokens, gen = 11, torch.Generator().manual_seed(4)
-    x = torch.randn(tokens, config.hidden_size, generator=gen)
-    index = {"random": torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(tokens)]),
-             "all_to_one": torch.tensor([[5, 5]] * tokens), "most_experts_empty": torch.tensor([[1, 6]] * tokens)}[routing]
-    weights = torch.rand(tokens, 2, generator=gen)
-    dy = torch.randn(tokens, config.hidden_size, generator=gen)
-    results = {}
-    for implementation in ("eager", TORCH_NAME):
-        config._experts_implementation = implementation
-        experts.zero_grad(set_to_none=True)
-        xi, wi = x.clone().requires_grad_(True), weights.clone().requires_grad_(True)
-        out = experts(xi, index, wi)
-        out.backward(dy)
-        results[implementation] = [out, xi.grad, wi.grad, experts.gate_up_proj.grad, experts.down_proj.grad]
-    for label, got, want in zip(["out", "dx", "d_top_k_weights", "d_gate_up_proj", "d_down_proj"],
-                                results[TORCH_NAME], results["eager"]):
-        assert rel_err(got, want) <= 1e-5, (routing, label, rel_err(got, want))
+    check_routing_weight_gradients(routing, TORCH_NAME, seed=4)
 
 
 def test_fused_path_follows_replaced_weights(fused_path):
