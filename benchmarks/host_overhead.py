@@ -56,27 +56,22 @@ MODEL_BATCH, MODEL_SEQ, MODEL_LAYERS, MODEL_VOCAB = 4, 1024, 4, 32768
 DTYPE = torch.bfloat16
 
 
-class Case:
-    """One case: ``step()`` runs an eager forward + backward on the next inputs."""
+class Case(common.Steps):
+    """One case: ``step()`` runs an eager forward + backward of ``module`` on the next of its inputs,
+    :data:`common.NUM_INPUTS` pairs ``make_input(gen)`` = ((args...), dout), dout None where the module
+    returns a scalar loss."""
 
-    def __init__(self, module, make_input, loss=None):
-        self.module = module
-        self.params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(self, module, make_input):
         gen = torch.Generator(device="cuda").manual_seed(1)
-        self.inputs = [make_input(gen) for _ in range(common.NUM_INPUTS)]
-        self.loss = loss
-        self.index = 0
+        super().__init__(module, [make_input(gen) for _ in range(common.NUM_INPUTS)])
+        self.module = module
+
+    def fwd_bwd(self, args, dout) -> None:
+        self.clear_grads()
+        self.module(*args).backward(dout)
 
     def step(self) -> None:
-        for p in self.params:
-            p.grad = None
-        args, dout = self.inputs[self.index % len(self.inputs)]
-        self.index += 1
-        out = self.module(*args)
-        if self.loss is not None:
-            self.loss(out).backward()
-        else:
-            out.backward(dout)
+        self.eager()
 
 
 def _tokens_and_grad(gen, rows=TOKENS, width=HIDDEN):
@@ -199,7 +194,7 @@ def hf_model_case(implementation: str) -> Case:
         def forward(self, ids):
             return self.model(input_ids=ids, labels=ids).loss
 
-    return Case(Step(), make_input, loss=lambda loss: loss)
+    return Case(Step(), make_input)
 
 
 CASES = {
