@@ -18,8 +18,9 @@ the dispatcher's round trip, which costs more host time than the op's own
 work (docs/host-overhead.md), and does what the dispatcher would have done
 that matters here: it bumps the version counter of each tensor the op
 mutates, so autograd still refuses a backward through a saved tensor that
-was changed in place. Tensors created in inference mode go through the
-dispatcher (it alone knows their rules).
+was changed in place. An op that would mutate a tensor created in
+inference mode, outside inference mode, goes through the dispatcher (which
+refuses it).
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ def assume_constant_result(fn: Callable) -> Callable:
     return fn
 
 
+# Per GPU index: why the core's kernels cannot run on its architecture (None: they can).
+_ARCH_REASONS: dict[int, Optional[str]] = {}
+
+
 # A constant for the process (the core loaded at import, the GPU's
 # architecture): torch.compile evaluates it once while tracing instead of
 # tracing the device queries.
@@ -62,9 +66,6 @@ def core_kernels_unavailable_reason(device: torch.device, capability: int, kerne
             f"is sm_{major}{minor}"
         )
     return _ARCH_REASONS[index]
-
-
-_ARCH_REASONS: dict[int, Optional[str]] = {}
 
 
 def cuda_unavailable_reason(device: torch.device) -> Optional[str]:

@@ -232,6 +232,12 @@ class _Views:
         """Whether these views stand for exactly these tensors (the module was checked with them)."""
         return self.backend == backend and self.mlp.fc1.weight is gate_up and self.mlp.fc2.weight is down
 
+    def same_layout(self, gate_up: torch.Tensor, down: torch.Tensor, backend: Optional[str]) -> bool:
+        """Whether these views can point at tensors of these shapes and dtype (the module's dtypes agree)."""
+        fc1, fc2 = self.mlp.fc1.weight, self.mlp.fc2.weight
+        return (self.backend == backend and fc1.shape == gate_up.shape and fc2.shape == down.shape
+                and fc1.dtype == gate_up.dtype)
+
     def point_at(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         for linear, weight in ((self.mlp.fc1, gate_up), (self.mlp.fc2, down)):
             if linear.weight is not weight:
@@ -249,8 +255,7 @@ def _views_of(experts: nn.Module, backend: Optional[str]) -> _Views:
     if views is not None and views.fits(gate_up, down, backend):
         return views
     _check_module(experts, backend)
-    if views is None or views.backend != backend or tuple(views.mlp.fc1.weight.shape) != tuple(gate_up.shape) \
-            or tuple(views.mlp.fc2.weight.shape) != tuple(down.shape) or views.mlp.fc1.weight.dtype != gate_up.dtype:
+    if views is None or not views.same_layout(gate_up, down, backend):
         views = _VIEWS[experts] = _Views(gate_up, down, backend)
     else:
         views.point_at(gate_up, down)
