@@ -244,6 +244,25 @@ def test_cuda_gathered_falls_back_where_no_kernel_is_built():
 
 @pytest.mark.gpu
 @needs_kernels
+def test_cuda_gathered_ops_take_an_empty_index():
+    # Every copy dropped (capacity_factor 0): no rows to read, and the empty index has no storage.
+    num_experts, tokens, k, n = 4, 3, 264, 528
+    x = torch.randn(tokens, k, device="cuda").bfloat16()
+    dy = torch.randn(tokens, n, device="cuda").bfloat16()
+    w = [torch.randn(num_experts, n, k, device="cuda").bfloat16()]
+    m_splits = torch.zeros(num_experts, dtype=torch.int32, device="cuda")
+    index = torch.empty(0, dtype=torch.int32, device="cuda")
+    assert cuda_backend.fprop_gathered(x, index, w, m_splits, torch.bfloat16).shape == (0, n)
+    assert cuda_backend.dgrad_gathered(dy, index, w, m_splits, torch.bfloat16).shape == (0, k)
+    g, h = cuda_backend.fprop_swiglu(x, index, w, m_splits)
+    assert g.shape == (0, n) and h.shape == (0, n // 2)
+    dw = torch.full((num_experts, n, k), float("nan"), device="cuda")
+    cuda_backend.wgrad_gathered(dy, index, x, index, m_splits, [dw], False)
+    assert torch.count_nonzero(dw) == 0  # no tokens: zero gradients, as the plain wgrad gives
+
+
+@pytest.mark.gpu
+@needs_kernels
 def test_cuda_gathered_entry_points_refuse_bad_input():
     lib = _core.require()
     m_splits, index, x, _, w = _operands((4, 150, 2, 264, 520), "balanced", "routing")

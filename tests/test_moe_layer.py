@@ -166,14 +166,16 @@ def test_aux_losses_reach_the_router_only_in_training():
     assert layer.router.weight.grad.abs().sum() == 0
 
 
-def test_delay_wgrad_compute_gives_the_same_gradients_after_backward_dw():
+@pytest.mark.parametrize("single_grouped_weight", [True, False], ids=["grouped", "separate"])
+def test_delay_wgrad_compute_gives_the_same_gradients_after_backward_dw(single_grouped_weight):
     torch.manual_seed(3)
-    layers = [MoELayer(8, 6, 4, 2, dtype=torch.float64, delay_wgrad_compute=d) for d in (False, True)]
+    layers = [MoELayer(8, 6, 4, 2, dtype=torch.float64, delay_wgrad_compute=d,
+                       single_grouped_weight=single_grouped_weight) for d in (False, True)]
     layers[1].load_state_dict(layers[0].state_dict())
     x, dout = torch.randn(10, 8, dtype=torch.float64), torch.randn(10, 8, dtype=torch.float64)
     for layer in layers:
         layer(x).backward(dout)
-    assert layers[1].experts.fc1.weight0.grad is None
+    assert all(w.grad is None for w in layers[1].experts.fc1.weights())
     layers[1].backward_dw()
     for (name, p0), p1 in zip(layers[0].named_parameters(), layers[1].parameters()):
         assert torch.allclose(p0.grad, p1.grad), name
@@ -203,6 +205,7 @@ CAPACITY_OPTIONS = {
     "dropless": {},
     "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
     "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
+    "zero-capacity": dict(capacity_factor=0.0),  # every copy dropped: the experts see no rows
 }
 
 

@@ -358,7 +358,8 @@ mg_status mg_grouped_fprop_swiglu(const mg_grouped_problem* p, const void* x, co
   MG_RETURN_IF_ERROR(check_aligned(op, "h", h, empty));
   MG_RETURN_IF_ERROR(check_operand(op, "weight", weight, dtype_bytes(p->dtype)));
   GroupedGemmCall call{};
-  if (x_rows != nullptr) {
+  // No rows: nothing is read, and an empty index has no storage (NULL), as in the other gathered ops.
+  if (x_rows != nullptr && !empty) {
     MG_RETURN_IF_ERROR(check_gather(p, op, "x", x, *x_rows, p->k, &call.gather_a));
   } else {
     MG_RETURN_IF_ERROR(check_aligned(op, "x", x, empty));

@@ -202,8 +202,8 @@ MG_API mg_status mg_grouped_dbias(const mg_grouped_problem* p, const void* dy,
  * index[r] of `source`, a row-major [source_rows, cols] bf16 matrix whose cols
  * is the operand's width (K for fprop's x, N for dgrad's dy, N and K for
  * wgrad's dy and x). An index outside [0, source_rows) reads a row of zeros
- * (rows no copy maps to). index: int32 on the device, total_rows entries;
- * source_rows in [1, 2^31). MG_CAP_GATHERED_GEMM; other operand dtypes fail
+ * (rows no copy maps to). index: int32 on the device, total_rows entries
+ * (unread, and may be NULL, when total_rows is 0); source_rows in [1, 2^31). MG_CAP_GATHERED_GEMM; other operand dtypes fail
  * with MG_ERROR_UNSUPPORTED. Workspace as mg_grouped_gemm_workspace_size.  */
 typedef struct mg_row_gather {
   const int32_t* index;
