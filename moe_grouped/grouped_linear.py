@@ -94,6 +94,25 @@ def _expert_names(prefix: str, num_experts: int) -> tuple[str, ...]:
     return names
 
 
+def _convert_layout(state_dict: dict, prefix: str, name: str, num_experts: int, single: bool) -> None:
+    """Rewrites ``state_dict``'s ``name`` entries in place into the module's layout.
+
+    ``single``: E per-expert entries ``{name}0 ..`` become one stacked ``{name}``;
+    else a stacked ``{name}`` with E rows becomes the E entries. A state dict
+    already in the module's layout, or in neither, is left for nn.Module's
+    checks to report.
+    """
+    stacked = prefix + name
+    per_expert = [prefix + n for n in _expert_names(name, num_experts)]
+    if single and stacked not in state_dict and all(k in state_dict for k in per_expert):
+        state_dict[stacked] = torch.stack([state_dict.pop(k) for k in per_expert])
+    elif not single and stacked in state_dict and not any(k in state_dict for k in per_expert):
+        value = state_dict[stacked]
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == num_experts:
+            del state_dict[stacked]
+            state_dict.update(zip(per_expert, value.unbind(0)))
+
+
 def _stack_biases(biases) -> torch.Tensor:
     return biases[0] if len(biases) == 1 and biases[0].dim() == 2 else torch.stack(list(biases))
 
@@ -158,7 +177,9 @@ class GroupedLinear(nn.Module):
         bias: add a learned per-expert bias.
         single_grouped_weight: hold the weights as one [E, N, K] parameter
             ``weight`` (and one [E, N] ``bias``) instead of E parameters
-            ``weight0 .. weight{E-1}`` (and ``bias0 ..``).
+            ``weight0 .. weight{E-1}`` (and ``bias0 ..``), as
+            TransformerEngine's GroupedLinear does. ``load_state_dict``
+            takes a state dict in either layout.
         fuse_wgrad_accumulation: accumulate weight gradients into the fp32
             ``main_grad`` tensor each weight carries (Megatron's convention)
             instead of producing ``.grad``.
@@ -214,6 +235,12 @@ class GroupedLinear(nn.Module):
                 if bias:
                     self.register_parameter(f"bias{e}", nn.Parameter(torch.empty(out_features, **factory)))
         self.reset_parameters()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Either layout loads into either: checkpoints outlive the choice of single_grouped_weight.
+        for name in ("weight", "bias"):
+            _convert_layout(state_dict, prefix, name, self.num_experts, self.single_grouped_weight)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def weights(self) -> list[torch.Tensor]:
         """The weight parameters: ``[weight]`` or ``[weight0, ..., weight{E-1}]``."""

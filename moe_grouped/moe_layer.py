@@ -66,8 +66,14 @@ class MoELayer(nn.Module):
             (highest routing weight) or ``"position"`` (first in token order).
         pad_to_capacity: pad every expert to exactly ``capacity`` rows, so
             the expert GEMMs see the fixed split ``[capacity] * E``.
-        bias, single_grouped_weight, fuse_wgrad_accumulation,
-        delay_wgrad_compute, dtype, device: passed to :class:`GroupedMLP`.
+        single_grouped_weight: True (default): one [E, N, K] weight per
+            projection; False: E weights ``weight0 ..`` as TransformerEngine
+            holds them. Either loads the other's state dict. Eager, each
+            parameter is a node of the autograd engine: at E=64 the
+            per-expert layout costs about 1.7 ms more host time per step
+            (docs/host-overhead.md).
+        bias, fuse_wgrad_accumulation, delay_wgrad_compute, dtype, device:
+            passed to :class:`GroupedMLP`.
         backend: for the expert GEMMs and the permutation: ``"cuda"``,
             ``"torch"``, ``"reference"`` or None (each op's default).
         experts_path: ``"unfused"``: permute, :class:`GroupedMLP` and the
@@ -93,7 +99,7 @@ class MoELayer(nn.Module):
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
         bias: bool = False,
-        single_grouped_weight: bool = False,
+        single_grouped_weight: bool = True,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         dtype: Optional[torch.dtype] = None,

@@ -136,6 +136,45 @@ def test_state_dict_round_trip_and_names(single_grouped_weight):
     assert torch.equal(a(x, [4, 4, 4]), b(x, [4, 4, 4]))
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("source_single", [True, False], ids=["from_grouped", "from_separate"])
+def test_either_layout_loads_into_the_other(source_single, bias):
+    source = GroupedLinear(3, 8, 4, bias=bias, single_grouped_weight=source_single)
+    target = GroupedLinear(3, 8, 4, bias=bias, single_grouped_weight=not source_single)
+    state = source.state_dict()
+    target.load_state_dict(state)
+    assert set(state) == set(source.state_dict())  # the caller's dict is not rewritten
+    x = torch.randn(12, 8)
+    assert torch.equal(source(x, [5, 0, 7]), target(x, [5, 0, 7]))
+    for w_source, w_target in zip(source.weights(), target.weights()):
+        assert w_target.data_ptr() != w_source.data_ptr()  # copied, not shared
+
+
+def test_layout_conversion_refuses_a_state_dict_of_other_experts():
+    # Three experts' weights do not fill four: the usual missing/unexpected-key error, no partial load.
+    for source_single in (True, False):
+        source = GroupedLinear(3, 8, 4, single_grouped_weight=source_single)
+        target = GroupedLinear(4, 8, 4, single_grouped_weight=not source_single)
+        with pytest.raises(RuntimeError, match="Missing key"):
+            target.load_state_dict(source.state_dict())
+    source = GroupedLinear(3, 8, 4, single_grouped_weight=True)
+    target = GroupedLinear(3, 8, 5, single_grouped_weight=False)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        target.load_state_dict(source.state_dict())
+
+
+def test_moe_layer_loads_a_per_expert_checkpoint():
+    torch.manual_seed(0)
+    from moe_grouped import MoELayer
+
+    old = MoELayer(8, 6, 4, 2, single_grouped_weight=False)
+    new = MoELayer(8, 6, 4, 2)
+    assert new.experts.fc1.single_grouped_weight  # the default
+    new.load_state_dict(old.state_dict())
+    x = torch.randn(10, 8)
+    torch.testing.assert_close(new(x), old(x), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("single_grouped_weight", [True, False])
 def test_init_matches_nn_linear_statistics(single_grouped_weight):
     torch.manual_seed(0)

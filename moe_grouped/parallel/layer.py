@@ -184,7 +184,7 @@ class ExpertParallelMoELayer(nn.Module):
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
         bias: bool = False,
-        single_grouped_weight: bool = False,
+        single_grouped_weight: bool = True,
         fuse_wgrad_accumulation: bool = False,
         delay_wgrad_compute: bool = False,
         dtype: Optional[torch.dtype] = None,
