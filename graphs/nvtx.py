@@ -1,7 +1,12 @@
 """NVTX ranges for profilers (Nsight Systems): a no-op without the nvtx package.
 
-``range(name)`` works as a context manager and as a decorator. Set
-``MOE_GROUPED_NVTX=0`` to turn the ranges off even when nvtx is installed.
+``range(name)`` works as a context manager and as a decorator. Ranges are
+emitted when a tool listens: Nsight Systems and Nsight Compute set
+``NVTX_INJECTION64_PATH`` in the processes they launch, and without an
+injected tool every NVTX call is a no-op anyway, so the ranges cost nothing
+then. ``MOE_GROUPED_NVTX=0`` turns them off, ``=1`` on whatever the
+environment; both are read at import (a range per op would otherwise read the
+environment on every call): call :func:`set_enabled` to change it later.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+from typing import Optional
 
 try:
     import nvtx as _nvtx
@@ -16,11 +22,29 @@ except ImportError:  # the ranges are a profiling aid, never a requirement
     _nvtx = None
 
 _DOMAIN = "moe_grouped"
+ENV = "MOE_GROUPED_NVTX"
+INJECTION_ENV = "NVTX_INJECTION64_PATH"
+
+
+def _from_environment() -> bool:
+    setting = os.environ.get(ENV, "")
+    if _nvtx is None or setting == "0":
+        return False
+    return setting == "1" or bool(os.environ.get(INJECTION_ENV))
+
+
+_enabled = _from_environment()
 
 
 def enabled() -> bool:
     """True when ranges are being emitted."""
-    return _nvtx is not None and os.environ.get("MOE_GROUPED_NVTX", "1") != "0"
+    return _enabled
+
+
+def set_enabled(on: Optional[bool] = None) -> None:
+    """Turns the ranges on or off (never on without the nvtx package); None: as the environment says now."""
+    global _enabled
+    _enabled = _from_environment() if on is None else bool(on) and _nvtx is not None
 
 
 class range(contextlib.ContextDecorator):  # noqa: A001 (mirrors nvtx's own name)
@@ -30,16 +54,19 @@ class range(contextlib.ContextDecorator):  # noqa: A001 (mirrors nvtx's own name
         if not isinstance(name, str):
             raise TypeError(f"an nvtx range name must be a str, got {builtins.type(name).__name__}")
         self.name = name
+        self._pushed = False
 
     def __enter__(self):
-        if enabled():
+        # Remembered per range, so that set_enabled between enter and exit cannot unbalance the stack.
+        self._pushed = _enabled
+        if self._pushed:
             _nvtx.push_range(self.name, domain=_DOMAIN)
         return self
 
     def __exit__(self, *exc):
-        if enabled():
+        if self._pushed:
             _nvtx.pop_range(domain=_DOMAIN)
         return False
 
 
-__all__ = ["range", "enabled"]
+__all__ = ["range", "enabled", "set_enabled"]

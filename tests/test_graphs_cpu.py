@@ -86,11 +86,44 @@ def test_nvtx_range_is_a_context_manager_and_a_decorator():
         nvtx.range(5)
 
 
-def test_nvtx_can_be_turned_off(monkeypatch):
+@pytest.fixture
+def nvtx_setting():
+    yield
+    nvtx.set_enabled(None)  # back to what this process's environment says
+
+
+def test_nvtx_follows_the_environment_and_set_enabled(monkeypatch, nvtx_setting):
     monkeypatch.setenv("MOE_GROUPED_NVTX", "0")
+    monkeypatch.setenv("NVTX_INJECTION64_PATH", "/a/profiler.so")
+    nvtx.set_enabled(None)
     assert nvtx.enabled() is False
     with nvtx.range("off"):
         pass
+    monkeypatch.delenv("MOE_GROUPED_NVTX")
+    nvtx.set_enabled(None)
+    assert nvtx.enabled() is (nvtx._nvtx is not None)  # a profiler listens
+    monkeypatch.delenv("NVTX_INJECTION64_PATH")
+    nvtx.set_enabled(None)
+    assert nvtx.enabled() is False  # nothing listens: NVTX calls would be no-ops
+    monkeypatch.setenv("MOE_GROUPED_NVTX", "1")
+    nvtx.set_enabled(None)
+    assert nvtx.enabled() is (nvtx._nvtx is not None)
+    nvtx.set_enabled(False)
+    assert nvtx.enabled() is False
+
+
+def test_nvtx_ranges_stay_balanced_when_turned_off_inside_one(monkeypatch, nvtx_setting):
+    events = []
+    monkeypatch.setattr(nvtx, "_nvtx", type("Fake", (), {
+        "push_range": staticmethod(lambda name, domain: events.append(("push", name))),
+        "pop_range": staticmethod(lambda domain: events.append(("pop",))),
+    }))
+    nvtx.set_enabled(True)
+    with nvtx.range("outer"):
+        nvtx.set_enabled(False)
+        with nvtx.range("inner"):
+            pass
+    assert events == [("push", "outer"), ("pop",)]
 
 
 # ---------------------------------------------------------------- make_graphed_callables: checks before CUDA
