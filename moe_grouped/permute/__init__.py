@@ -292,7 +292,8 @@ def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Te
     row has one copy (dropped copies go to a spare slot that is cut off).
     """
     token = torch.arange(row_id_map.shape[0], device=row_id_map.device, dtype=torch.int32) // top_k
-    target = torch.where(row_id_map >= 0, row_id_map, num_rows).to(torch.int64)
+    # -1 (dropped) lands on the spare slot num_rows: remainder takes the divisor's sign.
+    target = row_id_map.to(torch.int64).remainder(num_rows + 1)
     source = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
     return source.scatter_(0, target, token)[:num_rows]
 
