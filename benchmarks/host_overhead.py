@@ -11,8 +11,8 @@ turns round by round, so that a busy spell on the host falls on all of them. Eve
 sets the gradients to None first and uses new random inputs (4 cycled pairs).
 
 Cases:
-  moe_layer_cuda_fused      MoELayer, cuda backend, fused experts path (default: a weight per expert)
-  moe_layer_cuda_fused_single  the same with single_grouped_weight=True (one [E, N, K] weight a layer)
+  moe_layer_cuda_fused      MoELayer, cuda backend, fused experts path (default: one [E, N, K] weight a layer)
+  moe_layer_cuda_fused_per_expert  the same with single_grouped_weight=False (a weight per expert)
   moe_layer_cuda_unfused    MoELayer, cuda backend, unfused path
   moe_layer_torch           MoELayer, torch backend (torch._grouped_mm)
   moe_layer_cuda_fp8        MoELayer in fp8_autocast (unfused: the fused path has no FP8)
@@ -79,7 +79,7 @@ def _tokens_and_grad(gen, rows=TOKENS, width=HIDDEN):
     return (x,), torch.randn(rows, width, device="cuda", dtype=DTYPE, generator=gen)
 
 
-def moe_layer_case(backend: str, experts_path=None, *, autocast=False, compiled=False, single=False) -> Case:
+def moe_layer_case(backend: str, experts_path=None, *, autocast=False, compiled=False, single=True) -> Case:
     layer = moe_grouped.MoELayer(
         HIDDEN, FFN, EXPERTS, TOP_K, dtype=DTYPE, device="cuda", backend=backend, experts_path=experts_path,
         single_grouped_weight=single,
@@ -199,7 +199,7 @@ def hf_model_case(implementation: str) -> Case:
 
 CASES = {
     "moe_layer_cuda_fused": lambda: moe_layer_case("cuda", "fused"),
-    "moe_layer_cuda_fused_single": lambda: moe_layer_case("cuda", "fused", single=True),
+    "moe_layer_cuda_fused_per_expert": lambda: moe_layer_case("cuda", "fused", single=False),
     "moe_layer_cuda_unfused": lambda: moe_layer_case("cuda", "unfused"),
     "moe_layer_torch": lambda: moe_layer_case("torch"),
     "moe_layer_cuda_fp8": lambda: moe_layer_case("cuda", autocast=True),

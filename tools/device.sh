@@ -10,7 +10,10 @@
 #   profile    tools/ep_profile.py on 2 GPUs and on 1 (EP_PROFILE_ARGS: its options)
 #   example    examples/train_moe.py --ep N --compare-eager --steps 200 (graphs vs eager; N = min(GPUs, 4))
 #   gpu-tests  the single-GPU test suite in GPU_TEST_SHARDS processes (default 2 per GPU)
+#   probe      tools/host_probe.py (PROBE_ARGS: its options)
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
+#   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
+#              (tools/old_tree.sh COMMIT; carry it), three alternating processes each
 # Logs and results go to $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -76,18 +79,32 @@ for phase in "$@"; do
       for ((s = 0; s < shards; s++)); do
         OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads \
         MOE_GROUPED_TEST_SHARD="$s/$shards" CUDA_VISIBLE_DEVICES=$((s % gpus)) timeout -k 10 "${RUN_TIMEOUT:-300}" \
-          python3 -m pytest -q -p no:cacheprovider tests > "/tmp/gpu_tests$s.log" 2>&1 &
+          python3 -m pytest -q -p no:cacheprovider --durations=15 tests > "/tmp/gpu_tests$s.log" 2>&1 &
       done
       wait
       for ((s = 0; s < shards; s++)); do
         echo "shard $s/$shards: $(tail -n 1 "/tmp/gpu_tests$s.log")"
         grep -E "^(FAILED|ERROR)" "/tmp/gpu_tests$s.log"
       done | tee "$OUT/gpu_tests.log"
-      for ((s = 0; s < shards; s++)); do tail -n 60 "/tmp/gpu_tests$s.log"; done >> "$OUT/gpu_tests_tails.log"
+      for ((s = 0; s < shards; s++)); do tail -n 80 "/tmp/gpu_tests$s.log"; done >> "$OUT/gpu_tests_tails.log"
       grep -q -E "^(FAILED|ERROR)" /tmp/gpu_tests*.log && status=1
       for ((s = 0; s < shards; s++)); do
         tail -n 1 "/tmp/gpu_tests$s.log" | grep -q -E "passed|no tests ran" || status=1
       done ;;
+    probe)
+      TAIL=100 run probe python3 tools/host_probe.py ${PROBE_ARGS:-} ;;
+    host-ab)
+      # Host times of an older package (.devbuild/before, from tools/old_tree.sh) against the
+      # working tree's, in alternating processes (one process's times drift 20-40% from another's).
+      for i in 1 2 3; do
+        for tree in after before; do
+          runner=""; [ "$tree" = before ] && runner="tools/run_with_tree.py .devbuild/before"
+          timeout -k 10 "${RUN_TIMEOUT:-300}" python3 $runner benchmarks/host_overhead.py --no-write --rounds 5 \
+            --cases "${HOST_AB_CASES:-moe_layer_cuda_fused}" > /tmp/host_ab.log 2>&1 || tail -5 /tmp/host_ab.log
+          grep -E " host .* ms" /tmp/host_ab.log | sed "s/^/$tree $i: /" >> "$OUT/host_ab.log"
+        done
+      done
+      cat "$OUT/host_ab.log" ;;
     host)
       TAIL=60 run host python3 benchmarks/host_overhead.py ${HOST_ARGS:-}
       cp benchmarks/results/host_overhead-*.json "$OUT/" 2>/dev/null ;;

@@ -94,11 +94,18 @@ def main() -> None:
     w = layer.experts.fc1.weights()
     splits = torch.full((E,), T * K // E, dtype=torch.int64, device="cuda")
     xp = torch.randn(T * K, H, device="cuda", dtype=torch.bfloat16)
+    gate = layer.router.weight.detach()
+    one_group = torch.tensor([T], dtype=torch.int64, device="cuda")
     calls = {
         "torch.ops grouped_fprop": lambda: torch.ops.moe_grouped.grouped_fprop(
             xp, w, splits, None, torch.bfloat16, "cuda", False),
         "cuda_backend.fprop": lambda: cuda_backend.fprop(xp, w, splits, None, torch.bfloat16),
         "torch.mm": lambda: torch.mm(xp, xp[:H].t()),
+        # The router's logits, [T, E] in fp32 from bf16 operands, three ways.
+        "router mm out_dtype fp32": lambda: torch.mm(x.detach(), gate.t(), out_dtype=torch.float32),
+        "router mm bf16": lambda: torch.mm(x.detach(), gate.t()),
+        "router core fprop fp32": lambda: cuda_backend.fprop(x.detach(), [gate[None]], one_group, None,
+                                                             torch.float32),
         "torch.empty": lambda: torch.empty(T * K, H, device="cuda", dtype=torch.bfloat16),
         "current_stream": lambda: torch.cuda.current_stream(xp.device).cuda_stream,
         "raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
