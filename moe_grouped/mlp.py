@@ -19,6 +19,7 @@ from .experts import FusedExpertsFunction, Plan, Sinks, check_experts_path
 from .fp8 import get_fp8_recipe
 from .grouped_linear import GroupedLinear
 from .gemm import check_backend_dtype
+from .permute import permute, permute_index, resolve_backend, unpermute
 
 # Element types the fused path is chosen for by default (experts_path=None).
 FUSED_DEFAULT_DTYPES = (torch.bfloat16, torch.float16)
@@ -146,6 +147,37 @@ class GroupedMLP(nn.Module):
                           zero_unmapped=zero_unmapped, permute_backend=permute_backend)
         return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks)
 
+    def forward_tokens(
+        self,
+        tokens: torch.Tensor,
+        experts: torch.Tensor,
+        weights: torch.Tensor,
+        *,
+        backend: Optional[str] = None,
+        is_first_microbatch: Optional[bool] = None,
+        **drop_options,
+    ) -> torch.Tensor:
+        """The experts on routed tokens: ``unpermute(self(permute(tokens, experts)), weights)`` [T, hidden].
+
+        ``experts`` and ``weights`` [T, top_k]: each token's chosen experts and
+        their routing weights (differentiable); ``backend`` runs the dispatch
+        and the combine; ``drop_options``: :func:`moe_grouped.permute`'s
+        ``probs``, ``capacity_factor``, ``drop_policy``, ``pad_to_capacity``.
+        One autograd op (:meth:`forward_routed`) where :meth:`uses_fused_path`
+        says so, else the three ops.
+        """
+        if self.uses_fused_path(tokens):
+            row_id_map, m_splits, rows = permute_index(
+                tokens, experts, self.num_experts, backend=backend, **drop_options
+            )
+            return self.forward_routed(
+                tokens, weights, row_id_map, m_splits, rows,
+                zero_unmapped=drop_options.get("capacity_factor") is not None,
+                permute_backend=resolve_backend(backend, tokens.device),
+            )
+        permuted, m_splits, row_id_map = permute(tokens, experts, self.num_experts, backend=backend, **drop_options)
+        return unpermute(self(permuted, m_splits, is_first_microbatch), row_id_map, weights, backend=backend)
+
     def _plan(self, x: torch.Tensor, *, routed: bool, permute_backend: str = "", **static) -> Plan:
         # A Plan is a function of this key only (the backends resolve the same for a device and dtype
         # in one process); built on every call it costs more host time than some of the kernels it runs.
@@ -168,7 +200,6 @@ class GroupedMLP(nn.Module):
             activation_backend=resolve_weighted_backward_backend(gemm, x.device),
             fc1=self.fc1._spec(gemm),
             fc2=self.fc2._spec(gemm),
-            num_fc1_weights=1 if self.fc1.single_grouped_weight else self.fc1.num_experts,
             routed=routed,
             **static,
         )

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .mlp import GroupedMLP, SwiGLUMLP
-from .permute import check_drop_options, permute, permute_index, resolve_backend, unpermute
+from .permute import check_drop_options
 from .router import Router, RoutingOutput
 
 
@@ -143,20 +143,11 @@ class MoELayer(nn.Module):
             )
         tokens = x.reshape(-1, self.hidden).contiguous()
         routing = self.router(tokens)
-        drop_options = dict(
+        out = self.experts.forward_tokens(
+            tokens, routing.experts, routing.weights, backend=self.backend, is_first_microbatch=is_first_microbatch,
             probs=routing.weights.detach(), capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
-            pad_to_capacity=self.pad_to_capacity, backend=self.backend,
+            pad_to_capacity=self.pad_to_capacity,
         )
-        if self.experts.uses_fused_path(tokens):
-            row_id_map, m_splits, rows = permute_index(tokens, routing.experts, self.num_experts, **drop_options)
-            out = self.experts.forward_routed(
-                tokens, routing.weights, row_id_map, m_splits, rows, zero_unmapped=self.capacity_factor is not None,
-                permute_backend=resolve_backend(self.backend, tokens.device),
-            )
-        else:
-            permuted, m_splits, row_id_map = permute(tokens, routing.experts, self.num_experts, **drop_options)
-            expert_out = self.experts(permuted, m_splits, is_first_microbatch)
-            out = unpermute(expert_out, row_id_map, routing.weights, backend=self.backend)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):

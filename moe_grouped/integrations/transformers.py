@@ -49,7 +49,6 @@ from .. import backends
 from ..fp8 import get_fp8_recipe
 from ..gemm import check_backend_dtype
 from ..mlp import GroupedMLP
-from ..permute import permute, permute_index, resolve_backend, unpermute
 
 DEFAULT_NAME = "moe_grouped"
 _INSTALL = 'pip install "moe_grouped[transformers]"'
@@ -300,16 +299,7 @@ def experts_forward(
     tokens = hidden_states.to(gate_up.dtype).contiguous()
     weights = top_k_weights if top_k_weights.dtype in (torch.float32, tokens.dtype) else top_k_weights.float()
     weights = weights.contiguous()
-    if mlp.uses_fused_path(tokens):
-        row_id_map, m_splits, rows = permute_index(tokens, top_k_index, mlp.num_experts, backend=backend)
-        out = mlp.forward_routed(
-            tokens, weights, row_id_map, m_splits, rows, zero_unmapped=False,
-            permute_backend=resolve_backend(backend, tokens.device),
-        )
-    else:
-        permuted, m_splits, row_id_map = permute(tokens, top_k_index, mlp.num_experts, backend=backend)
-        out = unpermute(mlp(permuted, m_splits), row_id_map, weights, backend=backend)
-    return out.to(hidden_states.dtype)
+    return mlp.forward_tokens(tokens, top_k_index, weights, backend=backend).to(hidden_states.dtype)
 
 
 __all__ = ["register", "experts_forward", "unsupported_reasons", "ExpertsForward", "DEFAULT_NAME"]
