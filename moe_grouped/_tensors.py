@@ -77,3 +77,15 @@ def gathered_operands(dy, dy_index, x, x_index) -> tuple[torch.Tensor, torch.Ten
         dy if dy_index is None else gather_rows(dy, dy_index),
         x if x_index is None else gather_rows(x, x_index),
     )
+
+
+def gemm_of_gathered_rows(backend, kind: str, source, index, weights, m_splits, out_dtype) -> torch.Tensor:
+    """A gathered fprop (``kind`` "fprop") or dgrad ("dgrad") where ``backend`` (a GEMM backend module) has no
+    gathered kernel: the rows gathered into a copy, the plain GEMM, and the rows past the splits zeroed, as
+    the gathered kernels leave them."""
+    rows = gather_rows(source, index)
+    if kind == "fprop":
+        out = backend.fprop(rows, weights, m_splits, None, out_dtype)
+    else:
+        out = backend.dgrad(rows, weights, m_splits, out_dtype)
+    return backend.zero_rows_past_splits(out, m_splits)

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import os
+import sys
 from typing import Optional, Sequence
 
 import torch
 
 from .. import _core
-from .._tensors import gather_rows, gathered_operands, is_grouped_layout, zero_rows_past_splits_
+from .._tensors import gathered_operands, gemm_of_gathered_rows, is_grouped_layout, zero_rows_past_splits_
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 OUTPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -336,12 +337,8 @@ def _row_gather(source: torch.Tensor, index: torch.Tensor) -> tuple[_core.RowGat
 def _gathered(kind: str, source, index, weights, m_splits, out_dtype) -> torch.Tensor:
     """fprop (``kind`` "fprop": [rows, N]) or dgrad ("dgrad": [rows, K]) of ``source[index]``."""
     if not gathers(source, out_dtype):
-        rows = gather_rows(source, index)
-        if kind == "fprop":
-            out = fprop(rows, weights, m_splits, None, out_dtype)
-        else:
-            out = dgrad(rows, weights, m_splits, out_dtype)
-        return zero_rows_past_splits(out, m_splits)  # as the gathered ops give where a backend has no kernel
+        this_backend = sys.modules[__name__]  # the helper takes a backend module: this one's plain kernels
+        return gemm_of_gathered_rows(this_backend, kind, source, index, weights, m_splits, out_dtype)
     lib = _core.require()
     _check_out_dtype(out_dtype, source.dtype)
     num_groups, n, k = _matrix_shape(weights)

@@ -14,7 +14,7 @@ import torch
 
 from .._ops import custom_op, ops
 from .. import _core
-from .._tensors import compute_dtype, gather_rows, gathered_operands, num_groups_of, offsets_with_zero
+from .._tensors import compute_dtype, gathered_operands, gemm_of_gathered_rows, num_groups_of, offsets_with_zero
 # Registers swiglu_weighted_backward_, which grouped_dgrad_swiglu_ runs.
 from ..activation import library as _activation_library  # noqa: F401
 from ..graphs import nvtx
@@ -194,12 +194,7 @@ def _gathered_gemm_op(kind: str, width_dim: int):
             gathered = _gathered(backend, f"{kind}_gathered")
             if gathered is not None:
                 return gathered(source, index, weights, m_splits, out_dtype)
-            rows = gather_rows(source, index)
-            if kind == "fprop":
-                out = backend_module(backend).fprop(rows, weights, m_splits, None, out_dtype)
-            else:
-                out = backend_module(backend).dgrad(rows, weights, m_splits, out_dtype)
-            return _past_splits_zeroed(backend, out, m_splits, True)
+            return gemm_of_gathered_rows(backend_module(backend), kind, source, index, weights, m_splits, out_dtype)
 
     @op.register_fake
     def _(source, index, weights, m_splits, out_dtype, backend):
