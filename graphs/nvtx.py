@@ -56,6 +56,9 @@ class range(contextlib.ContextDecorator):  # noqa: A001 (mirrors nvtx's own name
         self.name = name
         self._pushed = False
 
+    def _recreate_cm(self):  # as a decorator: a range per call, so that nested calls keep their own _pushed
+        return type(self)(self.name)
+
     def __enter__(self):
         # Remembered per range, so that set_enabled between enter and exit cannot unbalance the stack.
         self._pushed = _enabled

@@ -58,7 +58,7 @@ def core_kernels_unavailable_reason(device: torch.device, capability: int, kerne
         return _core.unavailable_reason
     if not _core.has(capability):
         return f"the core was built without its {kernels}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _core.device_index(device)
     if index not in _ARCH_REASONS:  # asked for every op of every call: the device query once per GPU
         major, minor = torch.cuda.get_device_capability(index)
         _ARCH_REASONS[index] = None if (major, minor) == (9, 0) else (

@@ -56,13 +56,17 @@ class Plan:
     activation_backend: str
     fc1: _Spec
     fc2: _Spec
-    num_fc1_weights: int
     # Routed (MoELayer): tokens [T, H] in, combined [T, H] out. Else (GroupedMLP):
     # permuted rows in and out, and the fields below are unused.
     routed: bool
     top_k: int = 1
     num_rows: int = 0  # R, rows of the permuted buffer (static)
     zero_unmapped: bool = False  # rows no copy maps to exist (capacity): zero them
+
+    @property
+    def num_fc1_weights(self) -> int:
+        """How many of the op's weight inputs are fc1's (the rest are fc2's)."""
+        return self.fc1.num_weights
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,19 @@ def test_nvtx_ranges_stay_balanced_when_turned_off_inside_one(monkeypatch, nvtx_
             pass
     assert events == [("push", "outer"), ("pop",)]
 
+    # The same as a decorator, where one range object serves every (here nested) call.
+    events.clear()
+    nvtx.set_enabled(True)
+
+    @nvtx.range("recursive")
+    def nested(depth):
+        if depth:
+            nvtx.set_enabled(False)
+            nested(depth - 1)
+
+    nested(1)
+    assert events == [("push", "recursive"), ("pop",)]
+
 
 # ---------------------------------------------------------------- make_graphed_callables: checks before CUDA
 
