@@ -38,7 +38,14 @@ T, H, ffn, E, top-k:
   mixtral_8k       8192, 4096, 14336,   8, 2
 backends cuda_fused / cuda_unfused (MoELayer(backend="cuda",
 experts_path="fused" / "unfused"), eager) and their ``_graphed`` replays,
-torch (unfused) and torch_graphed. On every shape ``cuda`` without a suffix
+torch (unfused) and torch_graphed, and (issue 45; ``--no-fp8`` leaves them
+out) cuda_fp8_fused / cuda_fp8_unfused: the same cuda layers inside
+``fp8_autocast`` (1x128 / 128x128 block scaling; weights quantized in each
+step's forward, ``is_first_microbatch=True``, into FP8 buffers the layer
+keeps: 1 byte per weight for the copy and 1 for its transpose, outside
+``peak_mib`` like the parameters), eager and graphed; cuda_fp8_fused_kept:
+the fused layer with the FP8 weights quantized once and reused, as in the
+micro-batches after the first of an optimizer step. On every shape ``cuda`` without a suffix
 is the layer's default experts path (fused on Hopper with the core's
 weighted SwiGLU backward). Each fwd_bwd row has ``peak_mib``: eager rows,
 torch.cuda.max_memory_allocated minus the allocated bytes at the start of one
@@ -73,6 +80,7 @@ dy and h, write dh) = 8 * T * top_k * ffn * 2 bytes.
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 import sys
 import time
@@ -131,20 +139,44 @@ EXPERTS_PATH_SHAPES = [
     )
 ]
 EXPERTS_PATH_BACKENDS = ["cuda_fused", "cuda_unfused", "torch"]
+# FP8 block scaling (fp8_autocast, the default recipe) on the same shapes: issue 45's rows.
+# ``_kept``: the FP8 weights quantized once and reused (is_first_microbatch=False), as in the
+# micro-batches after an optimizer step's first: the step without the weights' quantization.
+FP8_BACKENDS = ["cuda_fp8_fused", "cuda_fp8_unfused", "cuda_fp8_fused_kept"]
 DEEPSEEK_LIKE = ("dsv2_lite", "dsv3")
 LOOP_LIMIT_S = 2.0  # skip the loop backend for a shape whose first step takes longer
 DTYPE = torch.bfloat16
 
 
 def make_layer(shape: Shape, backend: str, single_grouped_weight: bool = True) -> MoELayer:
-    """``backend`` is a row's backend name: ``cuda_fused`` / ``cuda_unfused`` pick the experts path."""
+    """``backend`` is a row's backend name: ``cuda_fused`` / ``cuda_unfused`` pick the experts path
+    (``cuda_fp8_fused``: the same layer, run under fp8_autocast by :func:`forward_of`)."""
     torch.manual_seed(0)
-    name, _, path = backend.partition("_")
+    name, _, path = backend.replace("_fp8", "").replace("_kept", "").partition("_")
     return MoELayer(
         shape.hidden, shape.ffn, shape.experts, shape.top_k, router_options=shape.router,
         aux_loss_coeff=shape.aux_loss_coeff, single_grouped_weight=single_grouped_weight, dtype=DTYPE,
         device="cuda", backend=name, experts_path=path or None,
     )
+
+
+def forward_of(layer: MoELayer, backend: str):
+    """The layer's forward for a row's backend: inside fp8_autocast for the ``_fp8`` rows."""
+    if "_fp8" not in backend:
+        return layer
+    recipe = moe_grouped.fp8.Float8BlockScaling()
+    kept = [False]
+
+    def forward(x):
+        # True each step: the weights are quantized in every step (an optimizer step came
+        # between), into buffers the layer keeps, as a training loop with FP8 weight caching does.
+        # "_kept": True once, then False.
+        first = not (backend.endswith("_kept") and kept[0])
+        kept[0] = True
+        with moe_grouped.fp8.fp8_autocast(recipe):
+            return layer(x, is_first_microbatch=first)
+
+    return forward
 
 
 def make_inputs(shape: Shape) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -238,7 +270,8 @@ def bench_layer(shape: Shape, backends: list[str], flush: L2Flush, loop: bool = 
 
 def bench_grouped(shape: Shape, backend: str, inputs, record) -> None:
     """``backend`` eagerly, then the same layer captured and replayed."""
-    steps = Steps(make_layer(shape, backend), inputs)
+    layer = make_layer(shape, backend)
+    steps = Steps(layer, inputs, forward_of(layer, backend))
     steps.eager()  # first-call setup (workspaces, gradients' first allocation) outside the measured step
     steps.clear_input_grads()
     record(backend, steps.eager, peak_mib(steps.eager))
@@ -349,6 +382,17 @@ def summarize_experts_path(rows: list[dict], shapes: list[Shape]) -> None:
         memory_bar = " [<= 0.80x]" if shape.memory_bar else ""
         print(f"  {shape.label:<16} fused {fused:8.3f} ms {tflops:6.1f} TFLOP/s [>= {shape.tflops_bar:.0f}]  "
               f"unfused {unfused:8.3f} ms: {unfused / fused:5.2f}x  peak fused/unfused {memory:5.2f}x{memory_bar}")
+        fp8 = {b: by_key.get((shape.label, b)) for b in ("cuda_fp8_fused", "cuda_fp8_fused_graphed")}
+        if all(r is not None for r in fp8.values()):
+            best = min(r["ms"] for r in fp8.values())
+            bar = 1.3 if shape.memory_bar else 1.5  # issue 45: fine-grained shapes, Mixtral-like
+            print(f"  {'':<16} fp8 fused {best:8.3f} ms {shape.flops() / best / 1e9:6.1f} TFLOP/s: "
+                  f"{fused / best:5.2f}x bf16 fused [>= {bar}x]  peak fp8/bf16 "
+                  f"{fp8['cuda_fp8_fused']['peak_mib'] / got['cuda_fused']['peak_mib']:5.2f}x [<= 1.00x]")
+        kept = [by_key.get((shape.label, b)) for b in ("cuda_fp8_fused_kept", "cuda_fp8_fused_kept_graphed")]
+        if all(r is not None for r in kept):
+            best_kept = min(r["ms"] for r in kept)
+            print(f"  {'':<16} fp8 fused, weights kept {best_kept:8.3f} ms: {fused / best_kept:5.2f}x bf16 fused")
 
 
 def select_shapes(spec: str) -> tuple[list[Shape], str]:
@@ -403,6 +447,8 @@ def main() -> None:
     parser = cli(__doc__)
     parser.add_argument("--shapes", default="all",
                         help='"all" (default), "experts_path" (issue 19\'s five shapes) or comma-separated names')
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the FP8 rows (cuda_fp8_fused, cuda_fp8_unfused) on the experts-path shapes")
     args = prologue(parser)
     shapes, bench_name = select_shapes(args.shapes)
     start = time.perf_counter()
@@ -416,6 +462,8 @@ def main() -> None:
     if fused_reason is not None and reason is None:
         print(f"skipping cuda_fused: {fused_reason}")
         experts_path_backends.remove("cuda_fused")
+    if fused_reason is None and moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE):
+        experts_path_backends += [b for b in FP8_BACKENDS if args.fp8]
     permute_backends = [b for b in ("cuda", "torch")
                         if b != "cuda" or permute_cuda_unavailable_reason(torch.device("cuda")) is None]
     swiglu_backends = [b for b in ("cuda", "torch")

@@ -273,6 +273,15 @@ _PROTOTYPES = {
         [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
          QuantizeConfig, _vp, _vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
     ),
+    "mg_quantize_gathered_1x128": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, ctypes.c_int64, _vp, ctypes.c_int, ctypes.c_int,
+         QuantizeConfig, _vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, _vp],
+    ),
+    "mg_swiglu_quantize_rowwise_1x128": (
+        ctypes.c_int,
+        [_vp, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, QuantizeConfig, _vp, _vp, _vp],
+    ),
     "mg_quantize_weight_128x128": (
         ctypes.c_int,
         [GroupOperand, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, QuantizeConfig,

@@ -21,11 +21,14 @@ dout the layer's output gradient, dy_u = dout_t gathered unweighted):
 
 Graph-safe like the unfused path (device ``m_splits`` and ``row_id_map``
 only) and deterministic. Without routing (``GroupedMLP`` on permuted input)
-the same op keeps x and g but not h. Not supported here (the unfused path
-handles them): biases, FP8 autocast, and a second backward through the same
-graph (``retain_graph=True``): backward turns the kept g into dg in place,
-and autograd's version check then refuses the second backward. Design notes
-and the measurements behind the kernel choices: docs/experts-path.md.
+the same op keeps x and g but not h. The GEMMs run in the layer's dtype
+(:class:`Stages`) or in FP8 block scaling (:class:`moe_grouped.fp8.experts.Fp8Stages`,
+inside ``fp8_autocast``); the steps above are the same. Not supported here
+(the unfused path handles them): biases, and a second backward through the
+same graph (``retain_graph=True``): backward turns the kept g into dg in
+place, and autograd's version check then refuses the second backward.
+Design notes and the measurements behind the kernel choices:
+docs/experts-path.md.
 """
 
 from __future__ import annotations
@@ -160,11 +163,13 @@ def _copy_values(plan: Plan, per_row: torch.Tensor, row_id_map: torch.Tensor) ->
     ).view(-1)
 
 
-def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_fn, m_splits, weights) -> list:
+def _weight_grads(stages, spec: _Spec, delayed: collections.deque, needed: bool, dy, x_fn, m_splits,
+                  weights) -> list:
     """Weight gradients in parameter order (None where deferred or fused into main_grad).
 
-    ``x_fn`` gives the wgrad's x operand; with ``delay_wgrad_compute`` it runs
-    at ``backward_dw()`` time, so a re-gathered operand is not held until then.
+    ``dy`` and ``x_fn()`` are the wgrad's operands as ``stages`` makes them;
+    with ``delay_wgrad_compute`` ``x_fn`` runs at ``backward_dw()`` time, so
+    a re-gathered operand is not held until then.
     """
     if not needed:
         return [None] * len(weights)
@@ -172,9 +177,52 @@ def _weight_grads(spec: _Spec, delayed: collections.deque, needed: bool, dy, x_f
     # written in backward is a side effect torch.compile cannot trace.
     main_grads = _main_grads(weights) if spec.fuse_wgrad_accumulation else []
     if spec.delay_wgrad_compute:
-        delayed.append((list(weights), lambda: _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)))
+        delayed.append((list(weights), lambda: stages.param_grads(spec, dy, x_fn(), m_splits, weights, main_grads)))
         return [None] * len(weights)
-    return _param_grads(spec, dy, x_fn(), m_splits, weights, [], main_grads)
+    return stages.param_grads(spec, dy, x_fn(), m_splits, weights, main_grads)
+
+
+class Stages:
+    """The fused op's GEMM stages in the layer's own dtype; FP8 has its own (see the module docstring).
+
+    Each stage takes and returns the operands in the form its GEMMs read
+    (here plain tensors), so :class:`FusedExpertsFunction` is written once.
+    """
+
+    def fc1_swiglu(self, plan: Plan, tokens, row_id_map, m_splits, w1):
+        """(g, fc2's input h) for each copy's token row."""
+        return _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
+
+    def fc2(self, plan: Plan, h, m_splits, w2) -> torch.Tensor:
+        # Rows past the experts' (a capacity's tail) are read by nothing here: not zeroed.
+        return ops.grouped_fprop(h, w2, m_splits, None, h.dtype, plan.gemm_backend, False)
+
+    def dgrad_swiglu_(self, plan: Plan, dout, row_id_map, m_splits, g, w, w2):
+        """fc2's dgrad and the weighted SwiGLU backward, g becoming dg in place: (dy_u for fc2's wgrad, wh, dprob)."""
+        dy_u = _gather(plan, dout.to(g.dtype).contiguous(), row_id_map)
+        wh, dprob = ops.grouped_dgrad_swiglu_(dy_u, w2, m_splits, g, w, plan.gemm_backend, plan.activation_backend)
+        return dy_u, wh, dprob
+
+    def wgrad_input(self, plan: Plan, rows, m_splits):
+        """Rows of a layer's input (wh) as its wgrad reads them (delayed wgrad holds what this returns)."""
+        return rows
+
+    def wgrad_grad(self, plan: Plan, rows, m_splits):
+        """Rows of a layer's output gradient (dg) as its wgrad reads them."""
+        return rows
+
+    def fc1_dgrad(self, plan: Plan, dg, m_splits, w1) -> torch.Tensor:
+        return ops.grouped_dgrad(dg, w1, m_splits, dg.dtype, plan.gemm_backend, False)
+
+    def gathered_tokens(self, plan: Plan, tokens, row_id_map, m_splits):
+        """fc1's wgrad operand: each copy's token row."""
+        return _gather(plan, tokens, row_id_map)
+
+    def param_grads(self, spec: _Spec, dy, x, m_splits, weights, main_grads) -> list:
+        return _param_grads(spec, dy, x, m_splits, weights, [], main_grads)
+
+
+STAGES = Stages()
 
 
 def _unpermute(plan: Plan, y, row_id_map, probs, sink: Optional[torch.Tensor]) -> torch.Tensor:
@@ -192,26 +240,28 @@ def _gemm_sm_limit(plan: Plan, sinks: Optional[Sinks], device: torch.device):
 
 
 class FusedExpertsFunction(torch.autograd.Function):
-    """``apply(tokens, probs, row_id_map, m_splits, plan, sinks, fc1_delayed, fc2_delayed, *fc1_weights, *fc2_weights)``.
+    """``apply(tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed, *fc1_weights,
+    *fc2_weights)``.
 
     Routed: tokens [T, H], probs [T, top_k] (differentiable), row_id_map
     [T * top_k] from the permute index; returns the combined [T, H]. Not
     routed: tokens are the permuted rows, probs and row_id_map None; returns
-    the experts' outputs [R, H]. ``sinks``: a :class:`Sinks` (routed only) or None.
+    the experts' outputs [R, H]. ``sinks``: a :class:`Sinks` (routed only) or
+    None. ``stages``: :data:`STAGES` or an FP8 :class:`~moe_grouped.fp8.experts.Fp8Stages`.
     """
 
     @staticmethod
-    def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, fc1_delayed, fc2_delayed, *weights):
+    def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
+                *weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-        dtype, gemm = tokens.dtype, plan.gemm_backend
-        g, h = _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
-        # Rows past the experts' (a capacity's tail) are read by nothing here: not zeroed.
-        y = ops.grouped_fprop(h, w2, m_splits, None, dtype, gemm, False)
+        g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
+        y = stages.fc2(plan, h, m_splits, w2)
         del h
         if plan.routed:
             y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
         ctx.save_for_backward(tokens, probs, row_id_map, m_splits, g, *weights)
-        ctx.plan, ctx.sinks, ctx.fc1_delayed, ctx.fc2_delayed = plan, sinks, fc1_delayed, fc2_delayed
+        ctx.plan, ctx.sinks, ctx.stages = plan, sinks, stages
+        ctx.fc1_delayed, ctx.fc2_delayed = fc1_delayed, fc2_delayed
         return y
 
     @staticmethod
@@ -219,29 +269,28 @@ class FusedExpertsFunction(torch.autograd.Function):
         tokens, probs, row_id_map, m_splits, g, *weights = ctx.saved_tensors
         plan: Plan = ctx.plan
         sinks: Optional[Sinks] = ctx.sinks
+        stages = ctx.stages
         w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
-        dtype, gemm = tokens.dtype, plan.gemm_backend
-        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
         needs = ctx.needs_input_grad
-        first_weight = 8  # tokens, probs, row_id_map, m_splits, plan, sinks, fc1_delayed, fc2_delayed
-        dy_u = _gather(plan, dout.to(dtype).contiguous(), row_id_map)
+        first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
         # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
         # wh = w * h is fc2's wgrad operand.
-        wh, dprob = ops.grouped_dgrad_swiglu_(
-            dy_u, w2, m_splits, g, w, gemm, plan.activation_backend
-        )
+        dy_u, wh, dprob = stages.dgrad_swiglu_(plan, dout, row_id_map, m_splits, g, w, w2)
         dg = g
         del g
         fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
-        w2_grads = _weight_grads(plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
+        wh = stages.wgrad_input(plan, wh, m_splits) if fc2_needed else None
+        w2_grads = _weight_grads(stages, plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
         del dy_u, wh
         dprobs = None
         if plan.routed and needs[1]:
             dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
+        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
         dx = None
         if needs[0]:
-            dxp = ops.grouped_dgrad(dg, w1, m_splits, dtype, gemm, False)
+            dxp = stages.fc1_dgrad(plan, dg, m_splits, w1)
             if plan.routed:
                 dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
             else:
@@ -249,9 +298,10 @@ class FusedExpertsFunction(torch.autograd.Function):
             del dxp
             if sinks is not None and sinks.on_grad_tokens is not None:
                 sinks.on_grad_tokens(dx, dprobs)
-        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
+        dg = stages.wgrad_grad(plan, dg, m_splits) if fc1_needed else None
         with _gemm_sm_limit(plan, sinks, tokens.device):
             w1_grads = _weight_grads(
-                plan.fc1, ctx.fc1_delayed, fc1_needed, dg, lambda: _gather(plan, tokens, row_id_map), m_splits, w1
+                stages, plan.fc1, ctx.fc1_delayed, fc1_needed, dg,
+                lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, w1,
             )
-        return (dx, dprobs, None, None, None, None, None, None, *w1_grads, *w2_grads)
+        return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)

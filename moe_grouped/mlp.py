@@ -15,8 +15,10 @@ from torch import nn
 
 from . import _checks, backends
 from .activation import resolve_weighted_backward_backend, swiglu, weighted_backward_unavailable_reason
-from .experts import FusedExpertsFunction, Plan, Sinks, check_experts_path
+from .experts import STAGES, FusedExpertsFunction, Plan, Sinks, check_experts_path
+from .fp8 import experts as fp8_experts
 from .fp8 import get_fp8_recipe
+from .fp8 import linear as fp8_linear
 from .grouped_linear import GroupedLinear
 from .gemm import check_backend_dtype
 from .permute import permute, permute_index, resolve_backend, unpermute
@@ -46,8 +48,10 @@ class GroupedMLP(nn.Module):
     dispatch and the weighted combine). None (default): fused with the
     ``cuda`` backend in bfloat16/float16 on a core with the weighted SwiGLU
     backward, where it keeps less memory than the unfused path at about its
-    speed (docs/experts-path.md); unfused otherwise. Never fused
-    (``"fused"`` raises): with ``bias=True`` or inside FP8 autocast.
+    speed (docs/experts-path.md); unfused otherwise. Inside FP8 autocast
+    the fused op runs its GEMMs in FP8 (:mod:`moe_grouped.fp8.experts`).
+    Never fused (``"fused"`` raises): with ``bias=True``, or in FP8 where the
+    FP8 kernels cannot take the layer.
     """
 
     def __init__(
@@ -93,16 +97,21 @@ class GroupedMLP(nn.Module):
             splits = _checks.normalize_splits(
                 m_splits, self.num_experts, x.shape[0], x.device, backend=backends.resolve(self.fc1.backend, x.device)
             )
-            return self._fused(x, None, None, splits, self._plan(x, routed=False))
+            return self._fused(x, None, None, splits, self._plan(x, routed=False), None, is_first_microbatch)
         hidden = self.fc1(x, m_splits, is_first_microbatch)
         return self.fc2(swiglu(hidden, backend=self.fc1.backend), m_splits, is_first_microbatch)
 
     def fused_path_unavailable_reason(self, x: torch.Tensor) -> Optional[str]:
         """Why the fused path cannot run on input like ``x``, or None if it can."""
-        if get_fp8_recipe() is not None:
-            return "inside FP8 autocast (the fused path has no FP8 kernels yet)"
         if self.fc1.use_bias:
             return "the layers have biases (bias=True)"
+        if get_fp8_recipe() is not None:
+            backend = backends.resolve(self.fc1.backend, x.device)
+            try:
+                for layer in (self.fc1, self.fc2):
+                    fp8_linear.check_supported(backend, x, layer.out_features, layer.in_features)
+            except (NotImplementedError, TypeError, ValueError, RuntimeError) as error:
+                return f"in FP8 here: {error}"
         return None
 
     def uses_fused_path(self, x: torch.Tensor) -> bool:
@@ -132,6 +141,7 @@ class GroupedMLP(nn.Module):
         zero_unmapped: bool,
         permute_backend: str,
         sinks: Optional[Sinks] = None,
+        is_first_microbatch: Optional[bool] = None,
     ) -> torch.Tensor:
         """The fused path with dispatch and combine: ``unpermute(self(permute(tokens)), probs)``.
 
@@ -142,10 +152,11 @@ class GroupedMLP(nn.Module):
         ``tokens``, ``probs`` and the weights. The caller checks
         :meth:`uses_fused_path` first. ``sinks``: where the expert-parallel
         layer wants the output and the token gradient (:class:`moe_grouped.experts.Sinks`).
+        ``is_first_microbatch``: FP8 weight reuse, as in :meth:`forward`.
         """
         plan = self._plan(tokens, routed=True, top_k=probs.shape[1], num_rows=num_rows,
                           zero_unmapped=zero_unmapped, permute_backend=permute_backend)
-        return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks)
+        return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks, is_first_microbatch)
 
     def forward_tokens(
         self,
@@ -173,7 +184,7 @@ class GroupedMLP(nn.Module):
             return self.forward_routed(
                 tokens, weights, row_id_map, m_splits, rows,
                 zero_unmapped=drop_options.get("capacity_factor") is not None,
-                permute_backend=resolve_backend(backend, tokens.device),
+                permute_backend=resolve_backend(backend, tokens.device), is_first_microbatch=is_first_microbatch,
             )
         permuted, m_splits, row_id_map = permute(tokens, experts, self.num_experts, backend=backend, **drop_options)
         return unpermute(self(permuted, m_splits, is_first_microbatch), row_id_map, weights, backend=backend)
@@ -204,7 +215,8 @@ class GroupedMLP(nn.Module):
             **static,
         )
 
-    def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan, sinks: Optional[Sinks] = None) -> torch.Tensor:
+    def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan, sinks: Optional[Sinks] = None,
+               is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         weight = self.fc1.weights()[0]
         if tokens.dtype != weight.dtype:
             raise TypeError(f"x has dtype {tokens.dtype} but the layer's parameters are {weight.dtype}")
@@ -214,8 +226,17 @@ class GroupedMLP(nn.Module):
                 if layer.fuse_wgrad_accumulation:
                     for w in layer.weights():
                         w.grad_added_to_main_grad = True  # backward adds into main_grad, as Megatron expects
+        stages = STAGES
+        recipe = get_fp8_recipe()
+        if recipe is not None:
+            if is_first_microbatch is not None and torch.compiler.is_compiling():
+                raise RuntimeError("is_first_microbatch (FP8 weight reuse) cannot run under torch.compile")
+            stages = fp8_experts.stages_for(
+                recipe, plan.gemm_backend, (self.fc1.weights(), self.fc2.weights()),
+                (self.fc1._fp8_weights, self.fc2._fp8_weights), is_first_microbatch,
+            )
         return FusedExpertsFunction.apply(
-            tokens, probs, row_id_map, m_splits, plan, sinks, self.fc1._delayed, self.fc2._delayed,
+            tokens, probs, row_id_map, m_splits, plan, sinks, stages, self.fc1._delayed, self.fc2._delayed,
             *self.fc1.weights(), *self.fc2.weights(),
         )
 

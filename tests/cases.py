@@ -238,3 +238,25 @@ def capture_after_a_step(step, steps_before: int = 1):
     with torch.cuda.graph(graph):
         outputs = step()
     return graph, outputs
+
+
+def peak_step_bytes_per_path(base, x, dout, forward=lambda layer, x: layer(x)) -> dict:
+    """Peak bytes allocated by one training step of a copy of MoELayer ``base`` on each experts path, beyond
+    what was allocated before it (the second of two steps: workspaces and caches exist)."""
+    import copy
+
+    peaks = {}
+    for path in ("unfused", "fused"):
+        layer = copy.deepcopy(base)
+        layer.experts.experts_path = path
+        for _ in range(2):
+            for p in [x, *layer.parameters()]:
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            forward(layer, x).backward(dout)
+            torch.cuda.synchronize()
+            peaks[path] = torch.cuda.max_memory_allocated() - start
+        del layer
+    return peaks

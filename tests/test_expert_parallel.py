@@ -343,11 +343,13 @@ def test_ep_size_1_local_transport_equals_moe_layer_on_cpu(one_rank_group):
             torch.testing.assert_close(p.grad, want[pname].grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {pname}: {m}")
 
 
-def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group):
+@pytest.mark.parametrize("experts_path", ["unfused", "fused"])
+def test_ep_size_1_fp8_experts_equal_moe_layer_fp8_bitwise(one_rank_group, experts_path):
     # One rank keeps MoELayer's row order, so the FP8 blocks (and their scales) are the same.
     torch.manual_seed(3)
-    ref = MoELayer(128, 128, 4, 2, dtype=torch.bfloat16, backend="reference")
+    ref = MoELayer(128, 128, 4, 2, dtype=torch.bfloat16, backend="reference", experts_path=experts_path)
     ep = ExpertParallelMoELayer(128, 128, 4, 2, dtype=torch.bfloat16, backend="reference").load_from(ref)
+    ep.experts.experts_path = experts_path
     x = torch.randn(32, 128, dtype=torch.bfloat16)
     dout = torch.randn_like(x)
     results = []
@@ -478,15 +480,19 @@ def test_gpu_ep_size_1_overflow_is_counted_on_the_device_during_replay(one_rank_
 
 
 @pytest.mark.gpu
-def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_rank_nccl_group):
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_rank_nccl_group, fp8):
     """The peer kernels (plan, dispatch, combine, their barrier) on one GPU: bitwise the local path, eagerly
-    and in 50 captured replays with new routing, with the backward's combine beside fc1's weight gradient."""
+    and in 50 captured replays with new routing, with the backward's combine beside fc1's weight gradient;
+    also with the experts' fused op in FP8 (fp8_autocast)."""
     from moe_grouped import graphs
     from moe_grouped.parallel import peer_unavailable_reason
 
     reason = peer_unavailable_reason(torch.device("cuda"))
     if reason is not None:
         pytest.skip(reason)
+    if fp8 and not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE):
+        pytest.skip("the core was built without its FP8 grouped GEMMs")
     torch.manual_seed(6)
     options = dict(single_grouped_weight=True, dtype=torch.bfloat16, device="cuda", backend=gpu_backend(),
                    router_options=dict(normalize_topk=True))
@@ -501,7 +507,8 @@ def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_ran
             for p in params:
                 p.grad = None
             x = x.detach().requires_grad_(True)  # the input's gradient takes the overlapped combine
-            out = layer(x)
+            with moe_grouped.fp8.fp8_autocast(enabled=fp8):
+                out = layer(x)
             out.backward(dout)
             return [out.detach(), x.grad, layer.last_routing.tokens_per_expert, *[p.grad for p in params]]
 

@@ -9,7 +9,12 @@
 #   bench      benchmarks/expert_parallel.py on 1, 2 and 4 GPUs (EP_SMS: --sms sweep)
 #   profile    tools/ep_profile.py on 2 GPUs and on 1 (EP_PROFILE_ARGS: its options)
 #   example    examples/train_moe.py --ep N --compare-eager --steps 200 (graphs vs eager; N = min(GPUs, 4))
+#   fp8-example  examples/train_moe.py --device cuda --graphs, bf16 and --fp8 (FP8_EXAMPLE_ARGS: more options)
 #   gpu-tests  the single-GPU test suite in GPU_TEST_SHARDS processes (default 2 per GPU)
+#   pytest     python -m pytest $PYTEST_ARGS (a few files or tests on one GPU)
+#   moe-bench  benchmarks/moe_layer.py $MOE_BENCH_ARGS (default: --shapes experts_path)
+#   fp8-ceiling  benchmarks/kernels/fp8_ceiling.py --rounds 4 (FP8 GEMMs against dense FP8)
+#   layer-profile  tools/layer_profile.py $LAYER_PROFILE_ARGS (kernel times of one MoELayer step)
 #   probe      tools/host_probe.py (PROBE_ARGS: its options)
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
 #   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
@@ -69,6 +74,12 @@ for phase in "$@"; do
       n=$(( gpus < 4 ? gpus : 4 ))
       TAIL=6 run "example$n" $torchrun_n "$n" examples/train_moe.py --device cuda --ep "$n" --compare-eager \
         --steps 200 --log-every 50 --sample 0 ;;
+    fp8-example)
+      for mode in bf16 fp8; do
+        flag=""; [ "$mode" = fp8 ] && flag=--fp8
+        TAIL=5 run "example_$mode" python3 examples/train_moe.py --device cuda --graphs --sample 0 \
+          --log-every 500 ${FP8_EXAMPLE_ARGS:-} $flag
+      done ;;
     gpu-tests)
       # Interleaved shards of the collected tests (tests/conftest.py), several per GPU: most tests
       # are small, so the host, not the GPU, bounds one process.
@@ -91,6 +102,16 @@ for phase in "$@"; do
       for ((s = 0; s < shards; s++)); do
         tail -n 1 "/tmp/gpu_tests$s.log" | grep -q -E "passed|no tests ran" || status=1
       done ;;
+    pytest)
+      TAIL=40 run pytest python3 -m pytest -q -p no:cacheprovider -rfE ${PYTEST_ARGS:-tests} ;;
+    moe-bench)
+      TAIL=40 run moe_bench python3 benchmarks/moe_layer.py ${MOE_BENCH_ARGS:---shapes experts_path}
+      cp benchmarks/results/moe_layer*-*.json "$OUT/" 2>/dev/null ;;
+    fp8-ceiling)
+      TAIL=8 run fp8_ceiling python3 benchmarks/kernels/fp8_ceiling.py --rounds 4
+      cp benchmarks/results/fp8_ceiling-*.json "$OUT/" 2>/dev/null ;;
+    layer-profile)
+      TAIL=120 run layer_profile python3 tools/layer_profile.py ${LAYER_PROFILE_ARGS:-} ;;
     probe)
       TAIL=100 run probe python3 tools/host_probe.py ${PROBE_ARGS:-} ;;
     host-ab)

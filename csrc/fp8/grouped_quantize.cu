@@ -16,23 +16,35 @@ namespace {
 
 // ---- row-wise only ----------------------------------------------------------
 
+// Where output row `row` reads from: x's row itself, or with a gather index
+// the row index[row] names; NULL (the row reads as zeros) when that entry
+// is outside [0, source_rows).
+template <typename T>
+__device__ inline const T* source_row(const T* x, int64_t cols, const int32_t* index, int64_t source_rows,
+                                      int64_t row) {
+  if (index == nullptr) return x + row * cols;
+  const int64_t from = index[row];
+  return from >= 0 && from < source_rows ? x + from * cols : nullptr;
+}
+
 // One warp per (row, 128-column block); each lane owns 4 consecutive columns.
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
-    rowwise_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, float fp8_max, bool pow2,
-                   float epsilon, uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+    rowwise_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, const int32_t* __restrict__ index,
+                   int64_t source_rows, float fp8_max, bool pow2, float epsilon, uint8_t* __restrict__ q,
+                   float* __restrict__ scale_inv) {
   const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= rows * blocks_per_row) return;
   const int64_t row = warp / blocks_per_row;
   const int64_t col0 = (warp % blocks_per_row) * kBlock + lane * 4;
-  const T* src = x + row * cols;
+  const T* src = source_row(x, cols, index, source_rows, row);
   float v[4];
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    v[i] = (col0 + i < cols) ? to_float(src[col0 + i]) : 0.f;
+    v[i] = (src != nullptr && col0 + i < cols) ? to_float(src[col0 + i]) : 0.f;
     amax = fmaxf(amax, fabsf(v[i]));
   }
   amax = warp_max_xor(amax, 32);
@@ -50,20 +62,15 @@ __global__ void __launch_bounds__(kThreads)
 // has two or more 16-byte loads in flight and writes its 16 fp8 bytes at once.
 template <typename T, bool kE4M3>
 __global__ void __launch_bounds__(kThreads)
-    rowwise_vec16_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, float fp8_max, bool pow2,
-                         float epsilon, uint8_t* __restrict__ q, float* __restrict__ scale_inv) {
+    rowwise_vec16_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, const int32_t* __restrict__ index,
+                         int64_t source_rows, float fp8_max, bool pow2, float epsilon, uint8_t* __restrict__ q,
+                         float* __restrict__ scale_inv) {
   constexpr int kLoads = sizeof(T);  // 16-byte loads per 16 elements
-  const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
-  const int64_t thread = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t unit = thread / 8;  // (row, block) pair
-  const int part = threadIdx.x % 8;
-  const bool active = unit < rows * blocks_per_row;
-  const int64_t row = active ? unit / blocks_per_row : 0;
-  const int64_t col0 = (unit % blocks_per_row) * kBlock + part * 16;
-  const bool in_range = active && col0 < cols;
+  const RowBlockLane lane = row_block_lane(rows, cols);
+  const T* src_row = lane.active ? source_row(x, cols, index, source_rows, lane.row) : nullptr;
   float v[16];
-  if (in_range) {
-    const uint4* src = reinterpret_cast<const uint4*>(x + row * cols + col0);
+  if (lane.in_range && src_row != nullptr) {
+    const uint4* src = reinterpret_cast<const uint4*>(src_row + lane.col0);
     uint4 raw[kLoads];
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) raw[i] = __ldg(src + i);
@@ -74,14 +81,8 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < 16; ++i) v[i] = 0.f;
   }
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
-  amax = warp_max_xor(amax, 8);
-  if (!active) return;
-  const float scale = compute_scale(amax, fp8_max, pow2, epsilon);
-  if (in_range) *reinterpret_cast<uint4*>(q + row * cols + col0) = pack_fp8x16<kE4M3>(v, scale);
-  if (part == 0) scale_inv[unit] = 1.f / scale;
+  finish_rowwise_block16<kE4M3>(v, lane.active, lane.in_range, lane.part, fp8_max, pow2, epsilon,
+                                q + lane.row * cols + lane.col0, scale_inv + lane.unit);
 }
 
 // ---- grouped: column-wise, optionally row-wise and dbias, one read of x ----
@@ -245,6 +246,8 @@ struct GroupedArgs {
   float fp8_max;
   bool pow2;
   float epsilon;
+  const int32_t* index;    // gathered: tile row r reads x[index[row0 + r]], or nullptr
+  int64_t source_rows;     // rows of x when gathered
   Splits splits;           // m_splits [E] on the device
   int64_t* blocks;         // b_0..b_E, written by CTA 0 for the dbias kernel, or nullptr
   uint8_t* q;              // row-wise [rows, cols] (kRowwise only)
@@ -253,6 +256,22 @@ struct GroupedArgs {
   float* scale_inv_t;      // column-wise [scale_rows, cols]
   float* partials;         // [scale_rows, cols] column sums of each block, or nullptr
 };
+
+// This thread's 16 columns of every pass of a tile (see load_tile_chunks),
+// each row read from where source_row puts it.
+template <typename T>
+__device__ inline void load_tile_rows(const T* x, const GroupedArgs& a, int64_t row0, int64_t col, int valid_rows,
+                                      uint4 (&raw)[kPasses][sizeof(T)]) {
+#pragma unroll
+  for (int p = 0; p < kPasses; ++p) {
+    const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+    const T* src = r < valid_rows && col < a.cols ? source_row(x, a.cols, a.index, a.source_rows, row0 + r) : nullptr;
+#pragma unroll
+    for (int k = 0; k < static_cast<int>(sizeof(T)); ++k) {
+      raw[p][k] = src != nullptr ? __ldg(reinterpret_cast<const uint4*>(src + col) + k) : make_uint4(0, 0, 0, 0);
+    }
+  }
+}
 
 // One 1x128 row-wise block of a tile: this thread's 16 values of tile row
 // `row` (eight threads per row; `part` says which sixteen columns, from
@@ -347,7 +366,7 @@ __global__ void __launch_bounds__(kThreads)
     // cols % 16 == 0: a 16-column chunk is wholly inside or outside x.
     constexpr int kChunks = sizeof(T);  // 16-byte chunks per 16 elements
     uint4 raw[kPasses][kChunks];
-    load_tile_chunks(x + row0 * a.cols + col, a.cols, valid_rows, col < a.cols, raw);
+    load_tile_rows(x, a, row0, col, valid_rows, raw);
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
@@ -376,10 +395,11 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int r = p * kRowsPerPass + static_cast<int>(threadIdx.x) / 8;
+      const T* src = r < valid_rows ? source_row(x, a.cols, a.index, a.source_rows, row0 + r) : nullptr;
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         T value = static_cast<T>(0.f);
-        if (r < valid_rows && col + i < a.cols) value = x[(row0 + r) * a.cols + col + i];
+        if (src != nullptr && col + i < a.cols) value = src[col + i];
         *reinterpret_cast<T*>(tile + tile_offset<T>(r, part * 16 + i)) = value;
         v[i] = to_float(value);
       }
@@ -433,12 +453,18 @@ mg_status check_quantize_args(const void* x, mg_dtype x_dtype, int64_t rows, int
 }
 
 // Both grouped entry points: column-wise always, row-wise when q != nullptr.
+// Gathered (index != nullptr): x has source_rows rows and the quantized
+// matrix's row r is x[index[r]]; dbias is not taken then.
 mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
                            mg_dtype splits_dtype, int num_groups, const mg_quantize_config& config, void* q,
                            float* scale_inv, void* qt, float* scale_inv_t, float* dbias, int device,
-                           int workspace_slot, void* stream) {
+                           int workspace_slot, void* stream, const int32_t* index = nullptr,
+                           int64_t source_rows = 0) {
   float fp8_max = 0.f;
-  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, rows, cols, config, &fp8_max));
+  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, index != nullptr ? source_rows : rows, cols, config, &fp8_max));
+  if (rows < 0 || rows > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "rows must be in [0, 2^31), got %lld", static_cast<long long>(rows));
+  }
   if (splits_dtype != MG_INT32 && splits_dtype != MG_INT64) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "m_splits must be int32 or int64, got %s", dtype_name(splits_dtype));
   }
@@ -479,6 +505,8 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.rows = rows;
     args.cols = cols;
     args.num_groups = num_groups;
+    args.index = index;
+    args.source_rows = source_rows;
     args.col_tiles = col_tiles;
     args.padded_rows = (rows + 15) / 16 * 16 + 16 * static_cast<int64_t>(num_groups);
     // Column-wise only: bands of two column tiles. With the row-wise copy as
@@ -495,7 +523,7 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.qt = static_cast<uint8_t*>(qt);
     args.scale_inv_t = scale_inv_t;
     args.partials = partials;
-    const bool vector = cols % 16 == 0 && aligned16(x) && aligned16(qt) && (!rowwise || aligned16(q));
+    const bool vector = cols % 16 == 0 && (x == nullptr || aligned16(x)) && aligned16(qt) && (!rowwise || aligned16(q));
     const dim3 grid(static_cast<unsigned>(scale_rows * col_tiles));
     cudaError_t launched = cudaSuccess;
     dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {
@@ -535,17 +563,16 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
   return ok();
 }
 
-}  // namespace
-}  // namespace moe_grouped::quantize
-
-using namespace moe_grouped;
-using namespace moe_grouped::quantize;
-
-extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int64_t rows,
-                                               int64_t cols, mg_quantize_config config, void* q,
-                                               float* scale_inv, void* stream) {
+// Row-wise, every row of x, or (index != nullptr) row r of the result from
+// x[index[r]] with x holding source_rows rows.
+mg_status quantize_rowwise(const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const int32_t* index,
+                           int64_t source_rows, const mg_quantize_config& config, void* q, float* scale_inv,
+                           void* stream) {
   float fp8_max = 0.f;
-  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, rows, cols, config, &fp8_max));
+  MG_RETURN_IF_ERROR(check_quantize_args(x, x_dtype, index != nullptr ? source_rows : rows, cols, config, &fp8_max));
+  if (rows < 0 || rows > INT32_MAX) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "rows must be in [0, 2^31), got %lld", static_cast<long long>(rows));
+  }
   if (rows == 0 || cols == 0) return ok();
   if (q == nullptr || scale_inv == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "q and scale_inv must not be NULL");
@@ -564,16 +591,49 @@ extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, 
     constexpr bool kE4M3 = decltype(e4m3)::value;
     if (vectorised) {
       rowwise_vec16_kernel<T, kE4M3><<<blocks, kThreads, 0, cuda_stream>>>(
-          static_cast<const T*>(x), rows, cols, fp8_max, pow2, config.amax_epsilon, static_cast<uint8_t*>(q),
-          scale_inv);
+          static_cast<const T*>(x), rows, cols, index, source_rows, fp8_max, pow2, config.amax_epsilon,
+          static_cast<uint8_t*>(q), scale_inv);
     } else {
       rowwise_kernel<T, kE4M3><<<blocks, kThreads, 0, cuda_stream>>>(
-          static_cast<const T*>(x), rows, cols, fp8_max, pow2, config.amax_epsilon, static_cast<uint8_t*>(q),
-          scale_inv);
+          static_cast<const T*>(x), rows, cols, index, source_rows, fp8_max, pow2, config.amax_epsilon,
+          static_cast<uint8_t*>(q), scale_inv);
     }
   });
   MG_CUDA_RETURN(cudaGetLastError());
   return ok();
+}
+
+}  // namespace
+}  // namespace moe_grouped::quantize
+
+using namespace moe_grouped;
+using namespace moe_grouped::quantize;
+
+extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int64_t rows,
+                                               int64_t cols, mg_quantize_config config, void* q,
+                                               float* scale_inv, void* stream) {
+  return quantize_rowwise(x, x_dtype, rows, cols, nullptr, 0, config, q, scale_inv, stream);
+}
+
+extern "C" mg_status mg_quantize_gathered_1x128(const void* x, mg_dtype x_dtype, int64_t source_rows,
+                                                int64_t cols, const int32_t* index, int64_t rows,
+                                                const void* m_splits, mg_dtype splits_dtype, int num_groups,
+                                                mg_quantize_config config, void* q, float* scale_inv, void* qt,
+                                                float* scale_inv_t, int device, int workspace_slot,
+                                                void* stream) {
+  if (index == nullptr && rows > 0) return fail(MG_ERROR_INVALID_ARGUMENT, "index must not be NULL");
+  if (source_rows < 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "source_rows must be >= 0, got %lld", static_cast<long long>(source_rows));
+  }
+  if (m_splits == nullptr) {
+    if (qt != nullptr || scale_inv_t != nullptr) {
+      return fail(MG_ERROR_INVALID_ARGUMENT, "the column-wise copy needs m_splits");
+    }
+    return quantize_rowwise(x, x_dtype, rows, cols, index, source_rows, config, q, scale_inv, stream);
+  }
+  if (q == nullptr && scale_inv != nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "scale_inv given without q");
+  return quantize_grouped(x, x_dtype, rows, cols, m_splits, splits_dtype, num_groups, config, q, scale_inv, qt,
+                          scale_inv_t, nullptr, device, workspace_slot, stream, index, source_rows);
 }
 
 extern "C" mg_status mg_quantize_columnwise_grouped_1x128(

@@ -100,6 +100,49 @@ __device__ inline float warp_max_xor(float v, int lanes) {
   return v;
 }
 
+// A lane's place in the eight-lanes-per-block row-wise layout of a
+// [rows, cols] matrix: its (row, 128-column block) pair, which 16 columns of
+// it (part), whether the grid gave it a pair (active) and whether its
+// columns start inside the row (in_range).
+struct RowBlockLane {
+  int64_t unit;
+  int64_t row;
+  int64_t col0;
+  int part;
+  bool active;
+  bool in_range;
+};
+
+__device__ inline RowBlockLane row_block_lane(int64_t rows, int64_t cols) {
+  const int64_t blocks_per_row = (cols + kBlock - 1) / kBlock;
+  RowBlockLane lane;
+  lane.unit = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) / 8;
+  lane.part = threadIdx.x % 8;
+  lane.active = lane.unit < rows * blocks_per_row;
+  lane.row = lane.active ? lane.unit / blocks_per_row : 0;
+  lane.col0 = (lane.unit % blocks_per_row) * kBlock + lane.part * 16;
+  lane.in_range = lane.active && lane.col0 < cols;
+  return lane;
+}
+
+// The end of a 1x128 row-wise block held by eight lanes, 16 values each (all
+// eight call): the block's amax over them, then, for an active lane, its 16
+// fp8 bytes at dst (16-byte aligned) when in_range, and from the block's
+// first lane (part 0) the block's scale_inv.
+template <bool kE4M3>
+__device__ inline void finish_rowwise_block16(const float (&v)[16], bool active, bool in_range, int part,
+                                              float fp8_max, bool pow2, float epsilon, uint8_t* dst,
+                                              float* scale_inv) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  amax = warp_max_xor(amax, 8);
+  if (!active) return;
+  const float scale = compute_scale(amax, fp8_max, pow2, epsilon);
+  if (in_range) *reinterpret_cast<uint4*>(dst) = pack_fp8x16<kE4M3>(v, scale);
+  if (part == 0) *scale_inv = 1.f / scale;
+}
+
 inline mg_status check_fp8_config(const mg_quantize_config& config, float* fp8_max) {
   if (config.fp8_dtype == MG_FLOAT8_E4M3) {
     *fp8_max = 448.f;

@@ -71,7 +71,8 @@ def _quantize_tokens(x, m_splits, dtype, recipe: Float8BlockScaling, backend, *,
                             dbias=dbias, workspace_slot=SLOT_QUANTIZE, backend=backend)
 
 
-def _quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose, out=None) -> WeightQuantized:
+def quantize_weights(weights, recipe: Float8BlockScaling, backend, *, transpose, out=None) -> WeightQuantized:
+    """A layer's weights in the recipe's 128x128 blocks (with the transposed copy dgrad reads)."""
     return quantize_weights_128x128(weights, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
                                     transpose=transpose, out=out, backend=backend)
 
@@ -111,7 +112,7 @@ class WeightCache:
             same_layout = self._stamp is not None and self._stamp[0] == stamp[0]
             out = self._weights if same_layout and backend != "reference" else None
             with torch.no_grad():
-                self._weights = _quantize_weights(weights, recipe, backend, transpose=True, out=out)
+                self._weights = quantize_weights(weights, recipe, backend, transpose=True, out=out)
             self._stamp = stamp
         elif self._weights is None:
             raise RuntimeError(
@@ -147,7 +148,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             bias = biases[0] if len(biases) == 1 and biases[0].dim() == 2 else torch.stack(list(biases))
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = any(ctx.needs_input_grad[_PARAMS : _PARAMS + spec.num_weights])
-        wq = cached if cached is not None else _quantize_weights(weights, recipe, spec.backend, transpose=need_dgrad)
+        wq = cached if cached is not None else quantize_weights(weights, recipe, spec.backend, transpose=need_dgrad)
         xq = _quantize_tokens(x, m_splits, recipe.forward_dtype, recipe, spec.backend, rowwise=True, dbias=False)
         y = gemm.grouped_fprop_fp8(xq.rowwise, wq.w, m_splits, bias, backend=spec.backend)
         saved = [m_splits]

@@ -36,6 +36,7 @@ from .quantize_reference import (
     quantize_1x128,
     quantize_grouped_128x128,
     quantize_grouped_1x128,
+    quantize_grouped_columnwise,
     check_quantize_options,
 )
 from .recipe import BLOCK
@@ -125,24 +126,31 @@ def _quantize_rowwise_op(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
     backend: str,
+    swiglu: bool = False,
 ) -> None:
+    """``swiglu``: x is g [rows, 2 * ffn] and swiglu(g) is quantized (:func:`swiglu_quantize_rowwise`)."""
     if backend == "reference":
+        if swiglu:
+            gate, up = x.chunk(2, dim=1)
+            x = torch.nn.functional.silu(gate) * up
         q = quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon)
         data.copy_(q.data)
         scale_inv.copy_(q.scale_inv)
         return
-    function = _core_function(x, "mg_quantize_rowwise_1x128")
+    # Both kernels take (x, dtype, rows, cols of the result, config, q, scale_inv, stream).
+    function = _core_function(x, "mg_swiglu_quantize_rowwise_1x128" if swiglu else "mg_quantize_rowwise_1x128")
     rows, cols = x.shape
     _core.check(
         function(
-            x.data_ptr(), _core.dtype_code(x.dtype), rows, cols, _config(fp8_dtype, pow2_scales, amax_epsilon),
-            data.data_ptr(), scale_inv.data_ptr(), _core.stream_handle(x.device),
+            x.data_ptr(), _core.dtype_code(x.dtype), rows, cols // 2 if swiglu else cols,
+            _config(fp8_dtype, pow2_scales, amax_epsilon), data.data_ptr(), scale_inv.data_ptr(),
+            _core.stream_handle(x.device),
         )
     )
 
 
 @_quantize_rowwise_op.register_fake
-def _(x, fp8_dtype, pow2_scales, amax_epsilon, data, scale_inv, backend):
+def _(x, fp8_dtype, pow2_scales, amax_epsilon, data, scale_inv, backend, swiglu=False):
     return None
 
 
@@ -366,3 +374,150 @@ def _quantize_weights_op(
 @_quantize_weights_op.register_fake
 def _(weights, fp8_dtype, pow2_scales, amax_epsilon, data, scale_inv, t_data, t_scale_inv, backend):
     return None
+
+
+def quantize_gathered(
+    x: torch.Tensor,
+    index: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    *,
+    m_splits: Optional[torch.Tensor] = None,
+    rowwise: bool = True,
+    backend: Optional[str] = None,
+) -> GroupedQuantized:
+    """The 1x128 copies of the rows ``x[index[r]]``, without writing the gathered rows.
+
+    ``x`` [T, K]; ``index`` [R] int32 on x's device, an entry outside
+    ``[0, T)`` standing for a row of zeros (``permute.source_rows`` gives
+    -1 for rows no copy maps to); None: x's own rows. Bit for bit what
+    gathering and then :func:`quantize_rowwise` / :func:`quantize_grouped`
+    give. Without ``m_splits`` only the row-wise copy is made; with it the
+    grouped column-wise copy too, and the row-wise one when ``rowwise``.
+    Reads ``index`` and ``m_splits`` on the device only on the ``cuda``
+    backend (graph-safe); ``reference`` reads them on the host.
+    """
+    _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
+    backend = _backend_of(x, backend)
+    if index is None:
+        if m_splits is None:
+            return GroupedQuantized(quantize_rowwise(x, fp8_dtype, pow2_scales, amax_epsilon), None, None)
+        return quantize_grouped(x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise,
+                                workspace_slot=_core.SLOT_WGRAD, backend=backend)
+    if index.dtype != torch.int32 or index.dim() != 1 or index.device != x.device:
+        raise ValueError(
+            f"index must be 1-D int32 on {x.device}, got {index.dtype} {tuple(index.shape)} on {index.device}"
+        )
+    if m_splits is None and not rowwise:
+        raise ValueError("without m_splits only the row-wise copy can be made: pass rowwise=True")
+    rows, cols = index.shape[0], x.shape[1]
+    row_buffers = columnwise = None
+    if rowwise:
+        row_buffers = _block_buffers("rowwise", None, (rows, cols), (rows, -(-cols // BLOCK)), fp8_dtype, x.device)
+    if m_splits is not None:
+        num_groups = m_splits.shape[0]
+        columnwise = _block_buffers(
+            "columnwise", None, (cols, columnwise_padded_rows(rows, num_groups)),
+            (columnwise_scale_rows(rows, num_groups), cols), fp8_dtype, x.device,
+        )
+    ops.fp8_quantize_gathered_(
+        x, index, m_splits, fp8_dtype, pow2_scales, float(amax_epsilon),
+        None if row_buffers is None else row_buffers.data, None if row_buffers is None else row_buffers.scale_inv,
+        None if columnwise is None else columnwise.data, None if columnwise is None else columnwise.scale_inv,
+        backend,
+    )
+    return GroupedQuantized(row_buffers, columnwise, None)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[index]`` with a row of zeros where an entry is outside ``[0, T)`` (the gathered quantizers' rows)."""
+    valid = (index >= 0) & (index < x.shape[0])
+    rows = x[index.clamp(0, max(x.shape[0] - 1, 0)).long()] if x.shape[0] else x.new_zeros(index.shape[0], x.shape[1])
+    return torch.where(valid[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    return None if tensor is None else tensor.data_ptr()
+
+
+@custom_op("fp8_quantize_gathered_", mutates_args=("row_data", "row_scale_inv", "data", "scale_inv"))
+def _quantize_gathered_op(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    m_splits: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool,
+    amax_epsilon: float,
+    row_data: Optional[torch.Tensor],
+    row_scale_inv: Optional[torch.Tensor],
+    data: Optional[torch.Tensor],
+    scale_inv: Optional[torch.Tensor],
+    backend: str,
+) -> None:
+    if backend == "reference":
+        rows = gather_rows(x, index)
+        if m_splits is None:
+            q = quantize_1x128(rows, fp8_dtype, pow2_scales, amax_epsilon)
+            row_data.copy_(q.data)
+            row_scale_inv.copy_(q.scale_inv)
+            return
+        counts = [int(c) for c in m_splits.tolist()]
+        _checks._check_split_values(counts, rows.shape[0], exact=False)
+        if row_data is not None:
+            q = quantize_1x128(rows, fp8_dtype, pow2_scales, amax_epsilon)
+            row_data.copy_(q.data)
+            row_scale_inv.copy_(q.scale_inv)
+        # Rows past the groups (a capacity's tail) are in no group: the layout of the groups'
+        # rows alone is the prefix of the buffers', which are sized for every row.
+        q = quantize_grouped_columnwise(rows[: sum(counts)], counts, fp8_dtype, pow2_scales, amax_epsilon)
+        data[:, : q.data.shape[1]].copy_(q.data)
+        scale_inv[: q.scale_inv.shape[0]].copy_(q.scale_inv)
+        return
+    function = _core_function(x, "mg_quantize_gathered_1x128")
+    source_rows, cols = x.shape
+    splits_ptr, splits_dtype, num_groups = None, _core.dtype_code(torch.int64), 0
+    if m_splits is not None:
+        splits_ptr, splits_dtype, num_groups = m_splits.data_ptr(), _core.dtype_code(m_splits.dtype), m_splits.shape[0]
+    _core.check(
+        function(
+            x.data_ptr(), _core.dtype_code(x.dtype), source_rows, cols, index.data_ptr(), index.shape[0],
+            splits_ptr, splits_dtype, num_groups, _config(fp8_dtype, pow2_scales, amax_epsilon),
+            _address(row_data), _address(row_scale_inv), _address(data), _address(scale_inv),
+            _core.device_index(x.device), _core.SLOT_WGRAD, _core.stream_handle(x.device),
+        )
+    )
+
+
+@_quantize_gathered_op.register_fake
+def _(x, index, m_splits, fp8_dtype, pow2_scales, amax_epsilon, row_data, row_scale_inv, data, scale_inv, backend):
+    return None
+
+
+def swiglu_quantize_rowwise(
+    g: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    *,
+    backend: Optional[str] = None,
+) -> BlockQuantized:
+    """``h = swiglu(g)`` ([rows, ffn] from g [rows, 2 * ffn], gate then up) quantized row-wise in 1x128 blocks.
+
+    Bitwise ``quantize_rowwise(swiglu(g))`` with h rounded to g's dtype as
+    :func:`moe_grouped.activation.swiglu` stores it; on the ``cuda`` backend one
+    kernel that never stores h (ffn a multiple of 16).
+    """
+    _checks.check_tensor("g", g, dim=2, dtypes=_INPUT_DTYPES)
+    check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
+    rows, width = g.shape
+    if width % 2:
+        raise ValueError(f"g must have an even number of columns [rows, 2 * ffn], got {tuple(g.shape)}")
+    ffn = width // 2
+    backend = _backend_of(g, backend)
+    if backend == "cuda" and ffn % 16:
+        raise ValueError(f"the cuda kernel needs ffn to be a multiple of 16, got {ffn}")
+    out = _block_buffers("h", None, (rows, ffn), (rows, -(-ffn // BLOCK)), fp8_dtype, g.device)
+    ops.fp8_quantize_rowwise_(g, fp8_dtype, pow2_scales, float(amax_epsilon), out.data, out.scale_inv, backend, True)
+    return out

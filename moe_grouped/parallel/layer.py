@@ -446,7 +446,7 @@ class ExpertParallelMoELayer(nn.Module):
             # nothing reads them, so they are not zeroed: that would be a pass over capacity rows.
             return self.experts.forward_routed(
                 tokens, weights, row_id_map, m_splits, self.capacity, zero_unmapped=False, permute_backend=backend,
-                sinks=sinks,
+                sinks=sinks, is_first_microbatch=is_first_microbatch,
             )
         permuted = ops.permute_rows(tokens, row_id_map, self.top_k, self.capacity, True, backend)
         expert_out = self.experts(permuted, m_splits, is_first_microbatch)

@@ -13,6 +13,8 @@ raises, so the process exits non-zero and torchrun reports the rank. Checks:
   shared expert, fused/delayed wgrad and many experts per rank;
 - the same layer against one :class:`moe_grouped.MoELayer` holding all
   experts, run on every rank's tokens;
+- inside ``fp8_autocast`` (the experts' fused op in FP8): the transports
+  bitwise equal to ``all_to_all`` and close to the MoELayer in FP8;
 - the whole step (forward + backward) captured once and replayed with new
   routing (balanced, skewed, every copy to one rank's experts, experts that
   receive nothing): each replay bitwise equal to an eager step on the same
@@ -84,10 +86,12 @@ def gradients(layer) -> dict[str, torch.Tensor]:
     return out
 
 
-def run(layer, x, dout) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def run(layer, x, dout, recipe=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One step of ``layer`` (inside fp8_autocast with ``recipe``): output, x.grad, parameter gradients."""
     reset_grads(layer)
     x = x.clone().requires_grad_(True)
-    out = layer(x)
+    with moe_grouped.fp8.fp8_autocast(recipe, enabled=recipe is not None):
+        out = layer(x)
     out.backward(dout)
     if layer.experts.fc1.delay_wgrad_compute:
         layer.backward_dw()
@@ -148,6 +152,30 @@ def check_transports_and_reference(experts: int, options: dict) -> None:
         diff = calc_diff(grad, want)
         assert diff < 1e-5, f"{case}: {name} gradient vs MoELayer: calc_diff {diff}"
     say(f"  ok  {', '.join(TRANSPORTS[1:])} bitwise equal to all_to_all, == MoELayer  ({case})")
+
+
+def check_fp8(experts: int) -> None:
+    """Inside fp8_autocast (the experts' fused op in FP8): every transport bitwise equal to all_to_all,
+    and close to one MoELayer in FP8 (its FP8 blocks hold other tokens: each rank quantizes its own)."""
+    if not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE):
+        say("  skipped FP8: the core was built without its FP8 grouped GEMMs")
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    recipe = moe_grouped.fp8.Float8BlockScaling()
+    ref, layers = make_pair(experts, {})
+    xs, douts = inputs(world, seed=3)
+    results = {name: run(layer, xs[rank], douts[rank], recipe) for name, layer in layers.items()}
+    out_a, dx_a, g_a = results["all_to_all"]
+    for transport in TRANSPORTS[1:]:
+        out_s, dx_s, g_s = results[transport]
+        assert torch.equal(out_s, out_a) and torch.equal(dx_s, dx_a), f"FP8: {transport} differs from all_to_all"
+        assert all(torch.equal(g_s[n], g_a[n]) for n in g_s), f"FP8: a gradient differs, {transport}"
+    ref_out, ref_dx, _ = run(ref, xs[rank], douts[rank], recipe)
+    bf16_out, _, _ = run(ref, xs[rank], douts[rank])
+    assert not torch.equal(ref_out, bf16_out), "fp8_autocast changed nothing"
+    for what, got, want in (("output", out_a, ref_out), ("x.grad", dx_a, ref_dx)):
+        assert calc_diff(got, want) < 5e-3, f"FP8 {what} vs MoELayer in FP8: calc_diff {calc_diff(got, want)}"
+    say(f"  ok  FP8: {', '.join(TRANSPORTS[1:])} bitwise equal to all_to_all, close to MoELayer in FP8 (E={experts})")
 
 
 # ------------------------------------------------------------------ graphs with new routing
@@ -308,6 +336,7 @@ def main() -> None:
         for options in option_sets:
             check_transports_and_reference(experts, options)
     check_transports_and_reference(64 * world, {})  # 64 a rank, as Qwen3-30B on two GPUs
+    check_fp8(4 * world)
     for experts in (4 * world, 20 * world):
         check_replays(experts, args.replays, dict(single_grouped_weight=True))
     check_replays(4 * world, max(args.replays // 10, 8), dict(capacity_factor=1.0))

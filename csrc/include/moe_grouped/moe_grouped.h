@@ -325,6 +325,29 @@ MG_API mg_status mg_quantize_rowwise_columnwise_grouped_1x128(
     float* scale_inv, void* qt, float* scale_inv_t, float* dbias, int device,
     int workspace_slot, void* stream);
 
+/* Gathered: the matrix quantized has rows rows, row r being x[index[r]]
+ * (x [source_rows, cols]; index int32 on the device; an entry outside
+ * [0, source_rows) reads as a row of zeros), bit for bit what gathering the
+ * rows and then quantizing gives. m_splits NULL: row-wise only
+ * (mg_quantize_rowwise_1x128; qt and scale_inv_t NULL). Else the grouped
+ * copies of mg_quantize_rowwise_columnwise_grouped_1x128 over the gathered
+ * rows, q and scale_inv NULL for the column-wise copy alone; no dbias, so
+ * the workspace is not touched (device and workspace_slot are unused).   */
+MG_API mg_status mg_quantize_gathered_1x128(
+    const void* x, mg_dtype x_dtype, int64_t source_rows, int64_t cols, const int32_t* index,
+    int64_t rows, const void* m_splits, mg_dtype splits_dtype, int num_groups,
+    mg_quantize_config config, void* q, float* scale_inv, void* qt, float* scale_inv_t,
+    int device, int workspace_slot, void* stream);
+
+/* h = swiglu(g) for g [rows, 2 * ffn] (bf16, fp16 or fp32; gate then up, as
+ * mg_swiglu_forward), quantized row-wise like mg_quantize_rowwise_1x128:
+ * q [rows, ffn] fp8, scale_inv [rows, ceil(ffn / 128)]; bitwise those two
+ * passes, without storing h. Needs ffn % 16 == 0 and 16-byte aligned g and q.
+ * MG_CAP_FP8_QUANTIZE.                                                     */
+MG_API mg_status mg_swiglu_quantize_rowwise_1x128(const void* g, mg_dtype dtype, int64_t rows,
+                                                  int64_t ffn, mg_quantize_config config, void* q,
+                                                  float* scale_inv, void* stream);
+
 /* Weights in 128x128 blocks: w [E][n, k] (bf16, fp16 or fp32; see
  * mg_group_operand) -> q[E, n, k] fp8 and scale_inv[E, ceil(n / 128),
  * ceil(k / 128)] fp32, one scale per 128x128 block. When qt is not NULL, also

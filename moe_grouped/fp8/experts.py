@@ -1,0 +1,113 @@
+"""The fused experts path's stages in FP8 block scaling (``fp8_autocast``).
+
+The same steps as :class:`moe_grouped.experts.Stages`, each GEMM reading
+FP8 operands with the recipe's scales (1x128 activations and gradients,
+128x128 weights):
+
+- forward: the token rows are quantized row-wise straight from x [T, H]
+  through the routing index (``quantize_gathered``: no bf16 permuted copy),
+  fc1 runs in FP8 into g [R, 2I] (bf16, kept for backward as on the bf16
+  path), h = swiglu(g) is quantized row-wise for fc2 in the pass that
+  computes it (h itself is never stored);
+- backward: dout is quantized through the index once, row-wise for fc2's
+  dgrad and column-wise for its wgrad; the weighted SwiGLU backward turns g
+  into dg in place and gives wh; wh is quantized column-wise (fc2's wgrad),
+  dg row-wise and column-wise in one pass (fc1's dgrad and wgrad), and the
+  token rows column-wise through the index again (fc1's wgrad);
+- weights: both layers' 128x128 copies with their transposes, made once per
+  forward, or kept across micro-batches with ``is_first_microbatch``
+  (:class:`moe_grouped.fp8.linear.WeightCache`).
+
+Every step reads ``m_splits`` and the index on the device only, so the op
+captures in CUDA graphs like the bf16 one. Backends: ``cuda`` and
+``reference`` (the quantizers' and GEMMs' plain-PyTorch references).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..activation import swiglu
+from ..permute import source_rows
+from . import gemm
+from .linear import WeightCache, param_grads, quantize_weights
+from .quantize import quantize_gathered, quantize_rowwise, swiglu_quantize_rowwise
+from .quantize_reference import WeightQuantized
+from .recipe import Float8BlockScaling
+
+
+class Fp8Stages:
+    """One forward's FP8 state: the recipe, the quantized weights and the routing index.
+
+    Made per call by :func:`stages_for`; the autograd op keeps it for backward.
+    """
+
+    def __init__(self, recipe: Float8BlockScaling, backend: str, w1: WeightQuantized, w2: WeightQuantized):
+        self.recipe = recipe
+        self.backend = backend
+        self.w1, self.w2 = w1, w2
+        self.index: Optional[torch.Tensor] = None  # each permuted row's token (routed), set in forward
+        self.rows = 0  # R, the rows the GEMMs run over, set in forward
+
+    def _quantize(self, x, index, dtype, m_splits=None, *, rowwise=True):
+        return quantize_gathered(x, index, dtype, self.recipe.pow2_scales, self.recipe.amax_epsilon,
+                                 m_splits=m_splits, rowwise=rowwise, backend=self.backend)
+
+    def fc1_swiglu(self, plan, tokens, row_id_map, m_splits, w1):
+        if plan.routed:
+            self.index = source_rows(row_id_map, plan.top_k, plan.num_rows)
+        self.rows = plan.num_rows if plan.routed else tokens.shape[0]
+        xq = self._quantize(tokens, self.index, self.recipe.forward_dtype).rowwise
+        g = gemm.grouped_fprop_fp8(xq, self.w1.w, m_splits, backend=self.backend)
+        del xq
+        recipe = self.recipe
+        if plan.activation_backend == self.backend:  # cuda with cuda, or the references
+            return g, swiglu_quantize_rowwise(g, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
+                                              backend=self.backend)
+        h = swiglu(g, backend=plan.activation_backend)
+        return g, quantize_rowwise(h, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon)
+
+    def fc2(self, plan, h, m_splits, w2) -> torch.Tensor:
+        return gemm.grouped_fprop_fp8(h, self.w2.w, m_splits, backend=self.backend)
+
+    def dgrad_swiglu_(self, plan, dout, row_id_map, m_splits, g, w, w2):
+        dyq = self._quantize(dout.to(g.dtype).contiguous(), self.index, self.recipe.backward_dtype, m_splits)
+        dh_u = gemm.grouped_dgrad_fp8(dyq.rowwise, self.w2.wt, m_splits, backend=self.backend)
+        dyt = dyq.columnwise
+        del dyq  # the row-wise copy, before the pass below
+        dprob = g.new_empty(g.shape[0], dtype=torch.float32)
+        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, w, m_splits, dprob, plan.activation_backend)
+        return dyt, dh_u, dprob  # dh_u now holds wh
+
+    def wgrad_input(self, plan, rows, m_splits):
+        return self._quantize(rows, None, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
+
+    def wgrad_grad(self, plan, rows, m_splits):
+        return self._quantize(rows, None, self.recipe.backward_dtype, m_splits, rowwise=False).columnwise
+
+    def fc1_dgrad(self, plan, dg, m_splits, w1) -> torch.Tensor:
+        # Only the row-wise copy here; the column-wise one comes after dx (wgrad_grad): with
+        # both alive beside dg and dxp this point would hold more than the bf16 path's peak.
+        dgq = self._quantize(dg, None, self.recipe.backward_dtype).rowwise
+        return gemm.grouped_dgrad_fp8(dgq, self.w1.wt, m_splits, backend=self.backend)
+
+    def gathered_tokens(self, plan, tokens, row_id_map, m_splits):
+        return self._quantize(tokens, self.index, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
+
+    def param_grads(self, spec, dyt, xt, m_splits, weights, main_grads) -> list:
+        return param_grads(spec, weights, [], main_grads, dyt, xt, None, m_splits, self.rows)
+
+
+def stages_for(recipe: Float8BlockScaling, backend: str, weights: tuple, caches: tuple[WeightCache, WeightCache],
+               is_first_microbatch: Optional[bool]) -> Fp8Stages:
+    """The FP8 stages of one forward: fc1's and fc2's weights (lists) quantized now, or taken from the caches."""
+    quantized = []
+    for layer_weights, cache in zip(weights, caches):
+        kept = cache.get(layer_weights, recipe, backend, is_first_microbatch)
+        if kept is None:
+            with torch.no_grad():
+                kept = quantize_weights(layer_weights, recipe, backend, transpose=True)
+        quantized.append(kept)
+    return Fp8Stages(recipe, backend, *quantized)
