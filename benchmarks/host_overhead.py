@@ -15,7 +15,7 @@ Cases:
   moe_layer_cuda_fused_per_expert  the same with single_grouped_weight=False (a weight per expert)
   moe_layer_cuda_unfused    MoELayer, cuda backend, unfused path
   moe_layer_torch           MoELayer, torch backend (torch._grouped_mm)
-  moe_layer_cuda_fp8        MoELayer in fp8_autocast (unfused: the fused path has no FP8)
+  moe_layer_cuda_fp8        MoELayer in fp8_autocast (the fused experts op in FP8 since 2026-11-28; unfused before)
   moe_layer_compiled        torch.compile(MoELayer) (default mode: no CUDA graphs), cuda fused
   ep_layer_cuda_fused       ExpertParallelMoELayer on a one-rank group
   grouped_linear_cuda       GroupedLinear 1024 -> 1024 on T*k=2048 permuted rows

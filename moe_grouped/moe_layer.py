@@ -81,7 +81,8 @@ class MoELayer(nn.Module):
             (:mod:`moe_grouped.experts`) that keeps only the tokens, fc1's
             output and the routing weights for backward; None (default): fused
             where :attr:`GroupedMLP.experts_path` None would fuse (the ``cuda``
-            backend in bfloat16/float16, no biases, no FP8 autocast).
+            backend in bfloat16/float16, no biases; inside ``fp8_autocast``
+            the fused op runs in FP8).
     """
 
     def __init__(

@@ -331,7 +331,7 @@ def test_gpu_fp8_fused_capture_replays_new_routing_bitwise_1000_times():
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_fused_keeps_fewer_bytes_than_fp8_unfused():
+def test_gpu_fp8_fused_keeps_fewer_bytes_than_fp8_unfused_and_bf16():
     """In FP8 too the fused op keeps x and g only (the unfused path keeps the FP8 copies of xp and h and
     the bf16 y); the layer's FP8 weights are kept across steps (is_first_microbatch) on both paths."""
     require_fp8_fused_cuda()
@@ -343,5 +343,9 @@ def test_gpu_fp8_fused_keeps_fewer_bytes_than_fp8_unfused():
         with fp8.fp8_autocast():
             return layer(x, is_first_microbatch=True)
 
-    peaks = peak_step_bytes_per_path(base, x, torch.randn_like(x), forward)
+    dout = torch.randn_like(x)
+    peaks = peak_step_bytes_per_path(base, x, dout, forward)
     assert peaks["fused"] <= 0.8 * peaks["unfused"], peaks
+    # And no more than the bf16 fused step: the backward frees dg once its FP8 copy exists.
+    bf16 = peak_step_bytes_per_path(base, x, dout)
+    assert peaks["fused"] <= bf16["fused"], (peaks, bf16)

@@ -85,7 +85,13 @@ class Fp8Stages:
         return self._quantize(rows, None, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
 
     def wgrad_grad(self, plan, rows, m_splits):
-        return self._quantize(rows, None, self.recipe.backward_dtype, m_splits, rowwise=False).columnwise
+        dgt = self._quantize(rows, None, self.recipe.backward_dtype, m_splits, rowwise=False).columnwise
+        # rows is dg, in the storage of the g that autograd keeps until backward returns; nothing reads it
+        # after this copy (a second backward is refused by g's version counter), so its memory goes now:
+        # beside its FP8 copy it would be the step's peak. Not while tracing, where storage is not ours.
+        if not torch.compiler.is_compiling():
+            rows.untyped_storage().resize_(0)
+        return dgt
 
     def fc1_dgrad(self, plan, dg, m_splits, w1) -> torch.Tensor:
         # Only the row-wise copy here; the column-wise one comes after dx (wgrad_grad): with
