@@ -113,6 +113,11 @@ class _Ops:
     def __getattr__(self, name: str) -> Callable:
         if name not in _BODIES:
             raise AttributeError(f"moe_grouped defines no op {name!r}")
+        if torch.compiler.is_compiling():
+            # The op itself, which is what the wrapper calls when traced. Caching the wrapper here would be
+            # a traced setattr, and Dynamo resolves it through this method again, recursing until Python's
+            # limit (an op first reached inside torch.compile: a compiled first call or backward).
+            return getattr(torch.ops.moe_grouped, name)
         call = _caller(name)
         setattr(self, name, call)  # built once per op
         return call

@@ -163,7 +163,7 @@ def _copy_values(plan: Plan, per_row: torch.Tensor, row_id_map: torch.Tensor) ->
     ).view(-1)
 
 
-def _weight_grads(stages, spec: _Spec, delayed: collections.deque, needed: bool, dy, x_fn, m_splits,
+def _weight_grads(stages, spec: _Spec, delayed: collections.deque, needed: bool, dy, x_fn, m_splits, rows: int,
                   weights) -> list:
     """Weight gradients in parameter order (None where deferred or fused into main_grad).
 
@@ -177,9 +177,11 @@ def _weight_grads(stages, spec: _Spec, delayed: collections.deque, needed: bool,
     # written in backward is a side effect torch.compile cannot trace.
     main_grads = _main_grads(weights) if spec.fuse_wgrad_accumulation else []
     if spec.delay_wgrad_compute:
-        delayed.append((list(weights), lambda: stages.param_grads(spec, dy, x_fn(), m_splits, weights, main_grads)))
+        delayed.append(
+            (list(weights), lambda: stages.param_grads(spec, dy, x_fn(), m_splits, rows, weights, main_grads))
+        )
         return [None] * len(weights)
-    return stages.param_grads(spec, dy, x_fn(), m_splits, weights, main_grads)
+    return stages.param_grads(spec, dy, x_fn(), m_splits, rows, weights, main_grads)
 
 
 class Stages:
@@ -218,7 +220,8 @@ class Stages:
         """fc1's wgrad operand: each copy's token row."""
         return _gather(plan, tokens, row_id_map)
 
-    def param_grads(self, spec: _Spec, dy, x, m_splits, weights, main_grads) -> list:
+    def param_grads(self, spec: _Spec, dy, x, m_splits, rows: int, weights, main_grads) -> list:
+        """Weight gradients from the operands this class makes, over ``rows`` permuted rows."""
         return _param_grads(spec, dy, x, m_splits, weights, [], main_grads)
 
 
@@ -277,12 +280,14 @@ class FusedExpertsFunction(torch.autograd.Function):
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
         # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
         # wh = w * h is fc2's wgrad operand.
+        rows = g.shape[0]  # R, the permuted rows every GEMM here runs over
         dy_u, wh, dprob = stages.dgrad_swiglu_(plan, dout, row_id_map, m_splits, g, w, w2)
         dg = g
         del g
         fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
         wh = stages.wgrad_input(plan, wh, m_splits) if fc2_needed else None
-        w2_grads = _weight_grads(stages, plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, w2)
+        w2_grads = _weight_grads(stages, plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits,
+                                 rows, w2)
         del dy_u, wh
         dprobs = None
         if plan.routed and needs[1]:
@@ -302,6 +307,6 @@ class FusedExpertsFunction(torch.autograd.Function):
         with _gemm_sm_limit(plan, sinks, tokens.device):
             w1_grads = _weight_grads(
                 stages, plan.fc1, ctx.fc1_delayed, fc1_needed, dg,
-                lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, w1,
+                lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, rows, w1,
             )
         return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)

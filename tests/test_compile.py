@@ -16,6 +16,7 @@ backend on CPU and the ``cuda`` backend (sm_90) on the GPU.
 from __future__ import annotations
 
 import re
+import sys
 from typing import Callable, Sequence
 
 import pytest
@@ -466,6 +467,46 @@ def test_fp8_moe_layer(compiler, case):
     x = torch.randn(2, 6, FP8_K, dtype=torch.bfloat16)
     assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
                                   compiler=compiler, **EXACT)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+@pytest.mark.parametrize("case", ["plain", "capacity-padded", "main_grad"])
+def test_fp8_fused_moe_layer(compiler, case):
+    """The fused experts op in FP8 (moe_grouped.fp8.experts) traces whole, its backward included."""
+    torch.manual_seed(0)
+    layer = MoELayer(FP8_K, FP8_N, FP8_E, 2, dtype=torch.bfloat16, backend="reference", experts_path="fused",
+                     **MOE_CASES[case])
+    if MOE_CASES[case].get("fuse_wgrad_accumulation"):
+        _with_main_grads(layer.experts)
+    x = torch.randn(2, 6, FP8_K, dtype=torch.bfloat16)
+    assert_compiled_matches_eager(_fp8_call(layer, RECIPES["HYBRID"]), [x], list(layer.parameters()),
+                                  compiler=compiler, **EXACT)
+
+
+def test_ops_first_reached_inside_compile_trace_at_the_default_recursion_limit():
+    """An op wrapper first looked up while Dynamo traces (a compiled first call, or a backward traced with
+    its forward) must not recurse: caching it there was a traced setattr that Dynamo resolved through
+    the lookup again, until Python's recursion limit."""
+    from moe_grouped._ops import ops
+
+    torch.manual_seed(0)
+    layer = MoELayer(K, 32, E, 2, backend="reference", experts_path="fused")
+    x = torch.randn(2, 6, K)
+    want = layer(x)
+    for name in list(vars(ops)):
+        delattr(ops, name)  # as in a new process: no wrapper built yet
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(1000)  # Python's default (inductor raises it the first time it compiles)
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True, backend="eager")
+        xx = x.clone().requires_grad_(True)
+        got = compiled(xx)
+        got.sum().backward()
+    finally:
+        sys.setrecursionlimit(limit)
+    torch.testing.assert_close(got, want)
+    assert xx.grad is not None and torch.isfinite(xx.grad).all()
 
 
 # The fused experts path (moe_grouped.experts): explicit experts_path="fused" on the CPU backends.

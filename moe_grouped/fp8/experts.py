@@ -39,7 +39,7 @@ from .recipe import Float8BlockScaling
 
 
 class Fp8Stages:
-    """One forward's FP8 state: the recipe, the quantized weights and the routing index.
+    """One forward's FP8 state: the recipe and the quantized weights.
 
     Made per call by :func:`stages_for`; the autograd op keeps it for backward.
     """
@@ -48,18 +48,19 @@ class Fp8Stages:
         self.recipe = recipe
         self.backend = backend
         self.w1, self.w2 = w1, w2
-        self.index: Optional[torch.Tensor] = None  # each permuted row's token (routed), set in forward
-        self.rows = 0  # R, the rows the GEMMs run over, set in forward
 
     def _quantize(self, x, index, dtype, m_splits=None, *, rowwise=True):
         return quantize_gathered(x, index, dtype, self.recipe.pow2_scales, self.recipe.amax_epsilon,
                                  m_splits=m_splits, rowwise=rowwise, backend=self.backend)
 
+    @staticmethod
+    def _index(plan, row_id_map) -> Optional[torch.Tensor]:
+        """Each permuted row's token (routed), None for permuted input. Made again where needed, not kept
+        on this object: a tensor set on it in forward would be a side effect torch.compile refuses."""
+        return source_rows(row_id_map, plan.top_k, plan.num_rows) if plan.routed else None
+
     def fc1_swiglu(self, plan, tokens, row_id_map, m_splits, w1):
-        if plan.routed:
-            self.index = source_rows(row_id_map, plan.top_k, plan.num_rows)
-        self.rows = plan.num_rows if plan.routed else tokens.shape[0]
-        xq = self._quantize(tokens, self.index, self.recipe.forward_dtype).rowwise
+        xq = self._quantize(tokens, self._index(plan, row_id_map), self.recipe.forward_dtype).rowwise
         g = gemm.grouped_fprop_fp8(xq, self.w1.w, m_splits, backend=self.backend)
         del xq
         recipe = self.recipe
@@ -73,7 +74,8 @@ class Fp8Stages:
         return gemm.grouped_fprop_fp8(h, self.w2.w, m_splits, backend=self.backend)
 
     def dgrad_swiglu_(self, plan, dout, row_id_map, m_splits, g, w, w2):
-        dyq = self._quantize(dout.to(g.dtype).contiguous(), self.index, self.recipe.backward_dtype, m_splits)
+        index = self._index(plan, row_id_map)
+        dyq = self._quantize(dout.to(g.dtype).contiguous(), index, self.recipe.backward_dtype, m_splits)
         dh_u = gemm.grouped_dgrad_fp8(dyq.rowwise, self.w2.wt, m_splits, backend=self.backend)
         dyt = dyq.columnwise
         del dyq  # the row-wise copy, before the pass below
@@ -100,10 +102,11 @@ class Fp8Stages:
         return gemm.grouped_dgrad_fp8(dgq, self.w1.wt, m_splits, backend=self.backend)
 
     def gathered_tokens(self, plan, tokens, row_id_map, m_splits):
-        return self._quantize(tokens, self.index, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
+        index = self._index(plan, row_id_map)
+        return self._quantize(tokens, index, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
 
-    def param_grads(self, spec, dyt, xt, m_splits, weights, main_grads) -> list:
-        return param_grads(spec, weights, [], main_grads, dyt, xt, None, m_splits, self.rows)
+    def param_grads(self, spec, dyt, xt, m_splits, rows, weights, main_grads) -> list:
+        return param_grads(spec, weights, [], main_grads, dyt, xt, None, m_splits, rows)
 
 
 def stages_for(recipe: Float8BlockScaling, backend: str, weights: tuple, caches: tuple[WeightCache, WeightCache],
