@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import nvtx
-from ._inputs import check_and_copy, describe, flatten_sample, make_static
+from ._inputs import check_and_copy, flatten_sample, make_static
 
 FORWARD, BACKWARD, WGRAD = "forward", "backward", "wgrad"
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence, Union
 
-import torch
-
 HOST_SIDE_COPIES = ("HtoD", "DtoH", "HtoH")
 
 

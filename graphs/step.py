@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.utils._pytree as pytree
 
 from . import nvtx
-from ._inputs import check_and_copy, flatten_sample, make_static
+from ._inputs import check_and_copy, flatten_sample
 from .callables import finish_capture, new_graph
 
 
