@@ -157,6 +157,29 @@ def test_fp8_fused_grouped_mlp_on_permuted_rows():
         assert calc_diff(a, b) < FP8_DIFF
 
 
+def test_fp8_fused_with_another_activation_backend_composes_the_same_bits(monkeypatch):
+    """Where the SwiGLU passes run on another backend than the GEMMs (a core without the weighted SwiGLU
+    backward), fc1's h is SwiGLU then the quantizer: the same bits as the one-pass quantizer."""
+    import moe_grouped.fp8.experts as fp8_experts
+    import moe_grouped.mlp as mlp
+
+    torch.manual_seed(8)
+    x, dout = torch.randn(30, H, dtype=torch.bfloat16), torch.randn(30, H, dtype=torch.bfloat16)
+    layer = MoELayer(H, I, E, TOP_K, dtype=torch.bfloat16, backend="reference", experts_path="fused")
+    expected = run_layer(layer, x, dout, RECIPES["E4M3"])
+    composed = copy.deepcopy(layer)
+    composed.experts.__dict__.pop("_plans", None)  # plans are cached per module: make them anew
+    monkeypatch.setattr(mlp, "resolve_weighted_backward_backend", lambda backend, device: "torch")
+    calls = []
+    quantize = fp8_experts.quantize_rowwise
+    monkeypatch.setattr(fp8_experts, "quantize_rowwise", lambda *a, **k: calls.append(1) or quantize(*a, **k))
+    got = run_layer(composed, x, dout, RECIPES["E4M3"])
+    assert calls == [1], "fc1's h did not take the composed path"
+    assert torch.equal(got[0], expected[0])
+    for a, e in zip(got[1:], expected[1:]):
+        assert calc_diff(a, e) < 1e-5  # the torch and reference SwiGLU backwards round alike up to fp32 order
+
+
 def test_fp8_fused_deferred_and_fused_wgrad_give_the_same_bits():
     torch.manual_seed(6)
     plain = MoELayer(H, I, E, TOP_K, dtype=torch.bfloat16, backend="reference", experts_path="fused")
