@@ -138,6 +138,28 @@ def test_fp8_fused_forward_is_the_unfused_fp8_forward_and_close_to_bf16(recipe, 
         assert calc_diff(a, u) < FP8_DIFF, (case, calc_diff(a, u))
 
 
+@pytest.mark.parametrize("tokens, top_k, capacity", [(0, 2, None), (1, 2, None), (5, 1, None), (7, 2, 0.0)],
+                         ids=["no-tokens", "one-token", "top-1", "every-copy-dropped"])
+def test_fp8_fused_edge_cases_match_the_unfused_fp8_forward(tokens, top_k, capacity):
+    torch.manual_seed(tokens)
+    unfused = MoELayer(H, I, E, top_k, capacity_factor=capacity, dtype=torch.bfloat16, backend="reference",
+                       experts_path="unfused")
+    fused = copy.deepcopy(unfused)
+    fused.experts.experts_path = "fused"
+    x, dout = torch.randn(tokens, H, dtype=torch.bfloat16), torch.randn(tokens, H, dtype=torch.bfloat16)
+    got, want = run_layer(fused, x, dout, RECIPES["E4M3"]), run_layer(unfused, x, dout, RECIPES["E4M3"])
+    assert torch.equal(got[0], want[0])
+    for a, b in zip(got[1:], want[1:]):
+        assert (a is None) == (b is None)
+        if a is None or a.numel() == 0:
+            continue
+        assert torch.isfinite(a).all()
+        if b.abs().max() < 1e-6:  # zero but for rounding (top-1: the router's weight is 1 whatever its logit)
+            assert a.abs().max() < 1e-6
+        else:
+            assert calc_diff(a, b) < FP8_DIFF
+
+
 def test_fp8_fused_grouped_mlp_on_permuted_rows():
     torch.manual_seed(5)
     splits = make_splits("zero_token_experts", E, 40, seed=5)
@@ -297,6 +319,7 @@ GPU_CASES = {
     "dropless": {},
     "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
     "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
+    "zero-capacity": dict(capacity_factor=0.0),  # every copy dropped: the experts see no rows
 }
 
 
