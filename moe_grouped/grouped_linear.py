@@ -322,13 +322,6 @@ class GroupedLinear(nn.Module):
                 weight.grad_added_to_main_grad = True
         if recipe is None:
             return _GroupedLinearFunction.apply(x, splits, spec, self._delayed, *params, *main_grads)
-        if is_first_microbatch is not None and torch.compiler.is_compiling():
-            # The cache compares data pointers and version counters on the host between calls.
-            raise NotImplementedError(
-                "GroupedLinear(is_first_microbatch=True/False) cannot run under torch.compile: the FP8 weight "
-                "cache is host state checked between calls. Pass is_first_microbatch=None (the weights are "
-                "then quantized inside the compiled graph on every call), or run this layer eagerly"
-            )
         cached = self._fp8_weights.get(weights, recipe, backend, is_first_microbatch)
         return fp8_linear.Fp8GroupedLinearFunction.apply(
             x, splits, spec, recipe, self._delayed, cached, *params, *main_grads

@@ -229,8 +229,6 @@ class GroupedMLP(nn.Module):
         stages = STAGES
         recipe = get_fp8_recipe()
         if recipe is not None:
-            if is_first_microbatch is not None and torch.compiler.is_compiling():
-                raise RuntimeError("is_first_microbatch (FP8 weight reuse) cannot run under torch.compile")
             stages = fp8_experts.stages_for(
                 recipe, plan.gemm_backend, (self.fc1.weights(), self.fc2.weights()),
                 (self.fc1._fp8_weights, self.fc2._fp8_weights), is_first_microbatch,

@@ -240,6 +240,15 @@ def capture_after_a_step(step, steps_before: int = 1):
     return graph, outputs
 
 
+
+# Token dropping options of the GPU layer tests: dropless, and capacity with each policy.
+CAPACITY_OPTIONS = {
+    "dropless": {},
+    "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
+    "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
+    "zero-capacity": dict(capacity_factor=0.0),  # every copy dropped: the experts see no rows
+}
+
 def peak_step_bytes_per_path(base, x, dout, forward=lambda layer, x: layer(x)) -> dict:
     """Peak bytes allocated by one training step of a copy of MoELayer ``base`` on each experts path, beyond
     what was allocated before it (the second of two steps: workspaces and caches exist)."""

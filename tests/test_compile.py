@@ -435,17 +435,23 @@ def test_fp8_autocast_outside_the_compiled_region_recompiles():
         assert torch.equal(got, bf16) == (recipe is None), f"{recipe=}: FP8 must differ from bfloat16"
 
 
-def test_fp8_is_first_microbatch_is_refused_under_compile():
-    layer = GroupedLinear(FP8_E, FP8_K, FP8_N, dtype=torch.bfloat16, backend="reference")
+@pytest.mark.parametrize("experts_path", [None, "fused"], ids=["grouped_linear", "fused_moe_layer"])
+def test_fp8_is_first_microbatch_is_refused_under_compile(experts_path):
+    if experts_path is None:
+        layer = GroupedLinear(FP8_E, FP8_K, FP8_N, dtype=torch.bfloat16, backend="reference")
+        args = (torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16), torch.tensor(SPLITS))
+    else:  # the fused experts op keeps its FP8 weights in the same cache
+        layer = MoELayer(FP8_K, FP8_N, FP8_E, 2, dtype=torch.bfloat16, backend="reference", experts_path="fused")
+        args = (torch.randn(12, FP8_K, dtype=torch.bfloat16),)
 
-    def first_microbatch(x, m_splits):
+    def first_microbatch(*args):
         with fp8.fp8_autocast():
-            return layer(x, m_splits, is_first_microbatch=True)
+            return layer(*args, is_first_microbatch=True)
 
     torch._dynamo.reset()
     compiled = torch.compile(first_microbatch, fullgraph=True, backend="eager")
     with pytest.raises(Exception, match=re.escape("is_first_microbatch=True/False) cannot run under torch.compile")):
-        compiled(torch.randn(sum(SPLITS), FP8_K, dtype=torch.bfloat16), torch.tensor(SPLITS))
+        compiled(*args)
 
 
 @pytest.mark.parametrize("compiler", COMPILERS)

@@ -12,7 +12,7 @@ from moe_grouped import GroupedMLP, MoELayer, _core, fp8
 from moe_grouped.activation import swiglu
 from moe_grouped.fp8.quantize import gather_rows, quantize_gathered, swiglu_quantize_rowwise
 
-from cases import calc_diff, make_splits, peak_step_bytes_per_path, skip_without_cuda_kernels
+from cases import CAPACITY_OPTIONS, calc_diff, make_splits, peak_step_bytes_per_path, skip_without_cuda_kernels
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 RECIPES = {"E4M3": fp8.Float8BlockScaling(), "HYBRID": fp8.Float8BlockScaling("HYBRID", pow2_scales=False)}
@@ -315,22 +315,14 @@ def test_gpu_gathered_quantizer_handles_no_rows_and_no_source():
     assert empty.rowwise.data.shape == (0, 256)
 
 
-GPU_CASES = {
-    "dropless": {},
-    "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
-    "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
-    "zero-capacity": dict(capacity_factor=0.0),  # every copy dropped: the experts see no rows
-}
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-@pytest.mark.parametrize("capacity", sorted(GPU_CASES))
+@pytest.mark.parametrize("capacity", sorted(CAPACITY_OPTIONS))
 def test_gpu_fp8_fused_layer_matches_the_reference_backend_and_bf16(recipe, capacity):
     require_fp8_fused_cuda()
     torch.manual_seed(8)
     cuda = MoELayer(256, 384, 8, 4, shared_expert_ffn_hidden=128, dtype=torch.bfloat16, device="cuda",
-                    backend="cuda", **GPU_CASES[capacity])
+                    backend="cuda", **CAPACITY_OPTIONS[capacity])
     x = torch.randn(300, 256, dtype=torch.bfloat16, device="cuda")
     with fp8.fp8_autocast():
         assert cuda.experts.uses_fused_path(x), "the cuda default must fuse in FP8"

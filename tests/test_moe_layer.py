@@ -8,7 +8,7 @@ from torch.nn.functional import silu
 
 from moe_grouped import GroupedMLP, MoELayer
 
-from cases import calc_diff, capture_after_a_step, gpu_backends
+from cases import CAPACITY_OPTIONS, calc_diff, capture_after_a_step, gpu_backends
 
 
 def reference(layer, x, experts, dout, aux_coeff, z_coeff, kept=None):
@@ -198,15 +198,6 @@ def test_bad_input_shape_is_refused():
     layer = MoELayer(8, 6, 4, 2)
     with pytest.raises(ValueError, match=r"\[tokens, 8\] or \[batch, seq, 8\]"):
         layer(torch.randn(4, 7))
-
-
-# Token dropping options of the GPU layer tests: dropless, and capacity with each policy.
-CAPACITY_OPTIONS = {
-    "dropless": {},
-    "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
-    "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
-    "zero-capacity": dict(capacity_factor=0.0),  # every copy dropped: the experts see no rows
-}
 
 
 @pytest.mark.gpu

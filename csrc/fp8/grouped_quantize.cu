@@ -523,7 +523,7 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.qt = static_cast<uint8_t*>(qt);
     args.scale_inv_t = scale_inv_t;
     args.partials = partials;
-    const bool vector = cols % 16 == 0 && (x == nullptr || aligned16(x)) && aligned16(qt) && (!rowwise || aligned16(q));
+    const bool vector = cols % 16 == 0 && aligned16(x) && aligned16(qt) && (!rowwise || aligned16(q));
     const dim3 grid(static_cast<unsigned>(scale_rows * col_tiles));
     cudaError_t launched = cudaSuccess;
     dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {

@@ -12,8 +12,9 @@ FP8 operands with the recipe's scales (1x128 activations and gradients,
 - backward: dout is quantized through the index once, row-wise for fc2's
   dgrad and column-wise for its wgrad; the weighted SwiGLU backward turns g
   into dg in place and gives wh; wh is quantized column-wise (fc2's wgrad),
-  dg row-wise and column-wise in one pass (fc1's dgrad and wgrad), and the
-  token rows column-wise through the index again (fc1's wgrad);
+  dg row-wise (fc1's dgrad) and, after dx, column-wise (fc1's wgrad), after
+  which dg's memory is released; the token rows are quantized column-wise
+  through the index again (fc1's wgrad);
 - weights: both layers' 128x128 copies with their transposes, made once per
   forward, or kept across micro-batches with ``is_first_microbatch``
   (:class:`moe_grouped.fp8.linear.WeightCache`).

@@ -107,6 +107,13 @@ class WeightCache:
         """The FP8 weights for this call, or None to quantize them inside it."""
         if is_first_microbatch is None:
             return None
+        if torch.compiler.is_compiling():
+            # The cache compares data pointers and version counters on the host between calls.
+            raise NotImplementedError(
+                "FP8 weight reuse (is_first_microbatch=True/False) cannot run under torch.compile: the FP8 weight "
+                "cache is host state checked between calls. Pass is_first_microbatch=None (the weights are "
+                "then quantized inside the compiled graph on every call), or run this layer eagerly"
+            )
         stamp = self._stamp_of(weights, recipe, backend)
         if is_first_microbatch:
             same_layout = self._stamp is not None and self._stamp[0] == stamp[0]

@@ -401,17 +401,16 @@ def quantize_gathered(
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     backend = _backend_of(x, backend)
+    if m_splits is None and not rowwise:
+        raise ValueError("without m_splits only the row-wise copy can be made: pass rowwise=True")
     if index is None:
         if m_splits is None:
             return GroupedQuantized(quantize_rowwise(x, fp8_dtype, pow2_scales, amax_epsilon), None, None)
-        return quantize_grouped(x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise,
-                                workspace_slot=_core.SLOT_WGRAD, backend=backend)
+        return quantize_grouped(x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, rowwise=rowwise, backend=backend)
     if index.dtype != torch.int32 or index.dim() != 1 or index.device != x.device:
         raise ValueError(
             f"index must be 1-D int32 on {x.device}, got {index.dtype} {tuple(index.shape)} on {index.device}"
         )
-    if m_splits is None and not rowwise:
-        raise ValueError("without m_splits only the row-wise copy can be made: pass rowwise=True")
     rows, cols = index.shape[0], x.shape[1]
     row_buffers = columnwise = None
     if rowwise:
@@ -458,17 +457,14 @@ def _quantize_gathered_op(
 ) -> None:
     if backend == "reference":
         rows = gather_rows(x, index)
-        if m_splits is None:
-            q = quantize_1x128(rows, fp8_dtype, pow2_scales, amax_epsilon)
-            row_data.copy_(q.data)
-            row_scale_inv.copy_(q.scale_inv)
-            return
-        counts = [int(c) for c in m_splits.tolist()]
-        _checks._check_split_values(counts, rows.shape[0], exact=False)
         if row_data is not None:
             q = quantize_1x128(rows, fp8_dtype, pow2_scales, amax_epsilon)
             row_data.copy_(q.data)
             row_scale_inv.copy_(q.scale_inv)
+        if m_splits is None:
+            return
+        counts = [int(c) for c in m_splits.tolist()]
+        _checks._check_split_values(counts, rows.shape[0], exact=False)
         # Rows past the groups (a capacity's tail) are in no group: the layout of the groups'
         # rows alone is the prefix of the buffers', which are sized for every row.
         q = quantize_grouped_columnwise(rows[: sum(counts)], counts, fp8_dtype, pow2_scales, amax_epsilon)
