@@ -276,7 +276,8 @@ def python_profile(case: Case, steps: int = 200) -> str:
     profiler.disable()
     torch.cuda.synchronize()
     out = io.StringIO()
-    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(40)
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(45)
     return out.getvalue()
 
 

@@ -39,6 +39,7 @@ CAP_GATHERED_GEMM = 64
 CAP_DGRAD_SWIGLU = 128
 CAP_FPROP_SWIGLU = 256
 CAP_EP_TRANSPORT = 512
+CAP_EXPERTS_SEQUENCE = 1024
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -188,6 +189,50 @@ class EpCombineArgs(ctypes.Structure):
         ("extra_offset", ctypes.c_int64),
         ("extra_cols", ctypes.c_int64),
         ("out_extra", ctypes.c_void_p),
+    ]
+
+
+class ExpertsForwardArgs(ctypes.Structure):
+    """``mg_experts_forward_args``."""
+
+    _fields_ = [
+        ("problem", GroupedProblem),
+        ("num_tokens", ctypes.c_int64),
+        ("top_k", ctypes.c_int),
+        ("hidden", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("row_id_map", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("w1", GroupOperand),
+        ("w2", GroupOperand),
+        ("scratch", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+    ]
+
+
+class ExpertsBackwardArgs(ctypes.Structure):
+    """``mg_experts_backward_args``."""
+
+    _fields_ = [
+        ("problem", GroupedProblem),
+        ("num_tokens", ctypes.c_int64),
+        ("top_k", ctypes.c_int),
+        ("hidden", ctypes.c_int64),
+        ("ffn", ctypes.c_int64),
+        ("row_id_map", ctypes.c_void_p),
+        ("zero_unmapped", ctypes.c_int),
+        ("dout", ctypes.c_void_p),
+        ("tokens", ctypes.c_void_p),
+        ("probs", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("w1", GroupOperand),
+        ("w2", GroupOperand),
+        ("scratch", ctypes.c_void_p),
+        ("dw2", ctypes.c_void_p),
+        ("dprobs", ctypes.c_void_p),
+        ("dx", ctypes.c_void_p),
+        ("dw1", ctypes.c_void_p),
     ]
 
 
@@ -357,6 +402,18 @@ _PROTOTYPES = {
         ctypes.c_int,
         [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, _vp, _vp, _vp, _vp, _vp],
     ),
+    # The fused experts path's sequences (csrc/experts).
+    "mg_permute_source_rows": (ctypes.c_int, [_vp, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, _vp, _vp]),
+    "mg_experts_forward_scratch_bytes": (
+        ctypes.c_int, [ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "mg_experts_forward_fc": (ctypes.c_int, [ctypes.POINTER(ExpertsForwardArgs), _vp]),
+    "mg_experts_backward_scratch_bytes": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "mg_experts_backward_fc2": (ctypes.c_int, [ctypes.POINTER(ExpertsBackwardArgs), _vp]),
+    "mg_experts_backward_fc1": (ctypes.c_int, [ctypes.POINTER(ExpertsBackwardArgs), _vp]),
     "mg_swiglu_weighted_backward": (
         ctypes.c_int,
         [_vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import threading
 from typing import Callable, Sequence
 
 import torch
@@ -37,6 +38,16 @@ _IS_META = operator.attrgetter("is_meta")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _BODIES: dict[str, tuple[Callable, tuple[int, ...]]] = {}
 _peek_transforms = torch._C._functorch.peek_interpreter_stack
+_is_grad_enabled = torch.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
+_increment_version = torch.autograd.graph.increment_version
+
+
+class _State(threading.local):
+    direct = False  # inside a DirectCalls region of this thread
+
+
+_state = _State()
 
 
 def custom_op(name: str, *, mutates_args: Sequence[str]):
@@ -88,23 +99,62 @@ def _caller(name: str) -> Callable:
     op = getattr(torch.ops.moe_grouped, name)
 
     def call(*args):
-        if not _eager_only():
+        if _state.direct:
+            if not mutated:
+                return body(*args)
+        elif not _eager_only():
             return op(*args)
-        grad = torch.is_grad_enabled()
-        if not all(_plain(arg, grad) for arg in args):
-            return op(*args)
+        else:
+            grad = _is_grad_enabled()
+            if not all(_plain(arg, grad) for arg in args):
+                return op(*args)
+            if not mutated:
+                return body(*args)
         targets = [t for i in mutated for t in _mutated(args[i])]
-        inference = torch.is_inference_mode_enabled()
+        inference = _is_inference_mode_enabled()
         if not inference and any(t.is_inference() for t in targets):
             return op(*args)
         out = body(*args)
         if targets and not inference:
-            torch.autograd.graph.increment_version(targets)
+            _increment_version(targets)
         return out
 
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"``torch.ops.moe_grouped.{name}``, its body called directly in plain eager code."
     return call
+
+
+def direct_region() -> bool:
+    """Whether this thread is inside an active :class:`DirectCalls` region (its tensors plain, eager)."""
+    return _state.direct
+
+
+class DirectCalls:
+    """``with DirectCalls(tensors):`` ops called on this thread inside run their bodies without the per-call checks.
+
+    For an ``autograd.Function``'s forward or backward, whose ops take only
+    its own tensors and what it makes from them: where the checks would pass
+    for these tensors now (plain eager code, grad mode off, each a plain
+    non-meta tensor or None), they pass for every op inside, and are made once
+    here. Otherwise the region changes nothing. Mutated tensors still get
+    their version bumped, and inference tensors still go through the
+    dispatcher.
+    """
+
+    __slots__ = ("_on", "_previous")
+
+    def __init__(self, tensors):
+        self._on = not _is_grad_enabled() and _eager_only() and _plain(list(tensors), False)
+
+    def __enter__(self):
+        self._previous = _state.direct
+        if self._on:
+            _state.direct = True
+        return self
+
+    def __exit__(self, *exc):
+        _state.direct = self._previous
+        return False
 
 
 class _Ops:

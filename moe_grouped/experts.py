@@ -23,7 +23,10 @@ Graph-safe like the unfused path (device ``m_splits`` and ``row_id_map``
 only) and deterministic. Without routing (``GroupedMLP`` on permuted input)
 the same op keeps x and g but not h. The GEMMs run in the layer's dtype
 (:class:`Stages`) or in FP8 block scaling (:class:`moe_grouped.fp8.experts.Fp8Stages`,
-inside ``fp8_autocast``); the steps above are the same. Not supported here
+inside ``fp8_autocast``); the steps above are the same. In plain eager code on
+the ``cuda`` backends the layer-dtype backward runs as two core calls
+(:mod:`moe_grouped.experts_sequence`: the same kernels, a fraction of the
+host time; the forward's fc1 and fc2 as one). Not supported here
 (the unfused path handles them): biases, and a second backward through the
 same graph (``retain_graph=True``): backward turns the kept g into dg in
 place, and autograd's version check then refuses the second backward.
@@ -40,8 +43,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ._ops import ops
-from . import _core
+from ._ops import DirectCalls, ops
+from . import _core, experts_sequence
 from .activation import swiglu
 from .gemm import cuda_backend
 from .grouped_linear import _main_grads, _param_grads, _Spec
@@ -236,6 +239,10 @@ def _unpermute(plan: Plan, y, row_id_map, probs, sink: Optional[torch.Tensor]) -
     return sink.detach()  # a plain tensor to autograd, not a view of the sink's buffer
 
 
+def _sink_tensors(sinks: Optional[Sinks]) -> tuple:
+    return () if sinks is None else (sinks.out, sinks.grad_tokens)
+
+
 def _gemm_sm_limit(plan: Plan, sinks: Optional[Sinks], device: torch.device):
     if sinks is None or not sinks.gemm_sms or plan.gemm_backend != "cuda":
         return contextlib.nullcontext()
@@ -256,10 +263,23 @@ class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
                 *weights):
+        args = (ctx, tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed, weights)
+        if torch.compiler.is_compiling():  # traced: the ops go through torch.ops
+            return FusedExpertsFunction._forward(*args)
+        with DirectCalls((tokens, probs, row_id_map, m_splits, *_sink_tensors(sinks), *weights)):
+            return FusedExpertsFunction._forward(*args)
+
+    @staticmethod
+    def _forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
+                 weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-        g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
-        y = stages.fc2(plan, h, m_splits, w2)
-        del h
+        if experts_sequence.forward_applies(plan, stages, STAGES, tokens, w1):
+            # The same kernels as the two stages, from one core call (bitwise the same g and y).
+            g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
+        else:
+            g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
+            y = stages.fc2(plan, h, m_splits, w2)
+            del h
         if plan.routed:
             y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
         ctx.save_for_backward(tokens, probs, row_id_map, m_splits, g, *weights)
@@ -269,11 +289,25 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        tokens, probs, row_id_map, m_splits, g, *weights = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        if torch.compiler.is_compiling():
+            return FusedExpertsFunction._backward(ctx, dout, saved)
+        with DirectCalls((dout, *saved, *_sink_tensors(ctx.sinks))):
+            return FusedExpertsFunction._backward(ctx, dout, saved)
+
+    @staticmethod
+    def _backward(ctx, dout, saved):
+        tokens, probs, row_id_map, m_splits, g, *weights = saved
         plan: Plan = ctx.plan
         sinks: Optional[Sinks] = ctx.sinks
         stages = ctx.stages
         w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
+        if experts_sequence.applies(plan, sinks, stages, STAGES, tokens, probs, g):
+            # The same kernels as the stages below, from two core calls (bitwise the same gradients).
+            dx, dprobs, w1_grads, w2_grads = experts_sequence.backward(
+                plan, ctx.needs_input_grad, dout, tokens, probs, row_id_map, m_splits, g, w1, w2
+            )
+            return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)
         acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
         needs = ctx.needs_input_grad
         first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed

@@ -142,7 +142,8 @@ class MoELayer(nn.Module):
                 f"x must have shape [tokens, {self.hidden}] or [batch, seq, {self.hidden}], got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
-        tokens = x.reshape(-1, self.hidden).contiguous()
+        # 2-D input as it is: a reshape would add a view node to every backward.
+        tokens = x.contiguous() if x.dim() == 2 else x.reshape(-1, self.hidden).contiguous()
         routing = self.router(tokens)
         out = self.experts.forward_tokens(
             tokens, routing.experts, routing.weights, backend=self.backend, is_first_microbatch=is_first_microbatch,
@@ -155,7 +156,7 @@ class MoELayer(nn.Module):
             loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
             out = _AttachAuxLoss.apply(out, loss)
         self.last_routing = routing.detached()
-        return out.view(x.shape)
+        return out if x.dim() == 2 else out.view(x.shape)
 
     def backward_dw(self) -> None:
         """The experts' deferred weight gradients (``delay_wgrad_compute=True``)."""

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.functional import silu
 
 import moe_grouped
-from moe_grouped import GroupedMLP, MoELayer, _core
+from moe_grouped import GroupedMLP, MoELayer, _core, experts_sequence
 from moe_grouped.activation import swiglu_weighted_backward
 from moe_grouped.permute import permute, permute_index, unpermute
 
@@ -285,6 +285,8 @@ def test_gpu_fused_fc1_reads_the_tokens_through_the_routing_index(monkeypatch):
     require_fused_cuda()
     import moe_grouped.experts as experts
 
+    monkeypatch.setattr(experts_sequence, "enabled", False)  # the Python stages' backward, counted below
+
     calls = {"index": 0, "copy": 0}
     source_rows, gather = experts.source_rows, experts._gather
 
@@ -303,6 +305,73 @@ def test_gpu_fused_fc1_reads_the_tokens_through_the_routing_index(monkeypatch):
     out.float().square().sum().backward()
     assert calls["copy"] == 2, calls  # backward: the output gradient for fc2, the tokens for fc1's wgrad
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+SEQUENCE_CASES = {
+    "dropless-grouped": (dict(), True, "skewed"),
+    "dropless-per-expert": (dict(), False, "zero_token_experts"),
+    "all-to-one": (dict(), True, "all_to_one"),
+    "probs-packed": (dict(capacity_factor=0.75, drop_policy="probs"), True, "skewed"),
+    "position-padded": (dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True), False, "skewed"),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", sorted(SEQUENCE_CASES))
+@pytest.mark.parametrize("variant", [None, "x", "probs", "fc1", "fc2", "16-bit-probs"])
+def test_gpu_sequenced_backward_equals_the_python_stages_bitwise(monkeypatch, dtype, case, variant):
+    """The core's sequences (experts_sequence: fc1 and fc2 forward, the backward in two calls) give the
+    Python stages' output and gradients bit for bit, with capacity, either weight layout, any of the
+    op's inputs without a gradient (``variant``), and routing weights in the tokens' dtype."""
+    require_fused_cuda()
+    skip_without_cuda_kernels(_core.CAP_EXPERTS_SEQUENCE, "experts sequence kernels")
+    drop, single, pattern = SEQUENCE_CASES[case]
+    tokens, hidden, ffn, num_experts, top_k = 96, 64, 48, 8, 4
+    torch.manual_seed(5)
+    mlp = GroupedMLP(num_experts, hidden, ffn, single_grouped_weight=single, dtype=dtype, device="cuda",
+                     backend="cuda", experts_path="fused")
+    for name in ("fc1", "fc2"):
+        if variant == name:
+            getattr(mlp, name).requires_grad_(False)
+    x = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    experts = routed_experts(pattern, tokens, top_k, num_experts, seed=3).to("cuda")
+    probs = torch.rand(tokens, top_k, device="cuda")
+    if variant == "16-bit-probs":  # routing weights in the tokens' dtype, as transformers' routers give them
+        probs = probs.to(dtype)
+    dout = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    calls = {"forward_fc": 0, "backward": 0}
+
+    def counted(name):
+        fn = getattr(experts_sequence, name)
+
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(experts_sequence, name, counted(name))
+    results = {}
+    for sequenced in (True, False):
+        monkeypatch.setattr(experts_sequence, "enabled", sequenced)
+        for p in mlp.parameters():
+            p.grad = None
+        xi = x.clone().requires_grad_(variant != "x")
+        pi = probs.clone().requires_grad_(variant != "probs")
+        row_id_map, m_splits, rows = permute_index(xi, experts, num_experts, probs=pi.detach(), backend="cuda",
+                                                   **drop)
+        out = mlp.forward_routed(xi, pi, row_id_map, m_splits, rows, zero_unmapped=bool(drop),
+                                 permute_backend="cuda")
+        out.backward(dout)
+        results[sequenced] = [out, xi.grad, pi.grad, *[p.grad for p in mlp.parameters()]]
+    # Forward: the gathered fc1 is bf16 only (fp16 takes the stages); backward: either dtype.
+    assert calls == {"forward_fc": int(dtype == torch.bfloat16), "backward": 1}, calls
+    for i, (a, e) in enumerate(zip(results[True], results[False])):
+        assert (a is None) == (e is None), f"gradient {i}: present in one backward only"
+        if a is not None:
+            assert torch.equal(a, e), f"gradient {i} differs ({case=}, {dtype=}, {variant=})"
+    assert results[True][1 if variant != "x" else 2] is not None
 
 
 class SplitRoutedMoE(nn.Module):

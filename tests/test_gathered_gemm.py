@@ -61,8 +61,10 @@ def load_routing(m_splits: torch.Tensor, index: torch.Tensor, tokens: int, top_k
 # ---- every backend: the op contract ----------------------------------------
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda_kernels(
+    _core.CAP_EXPERTS_SEQUENCE, "experts sequence kernels")])])
 @pytest.mark.parametrize("capacity_factor", [None, 1.5])
-def test_source_rows_inverts_the_routing_index(capacity_factor):
+def test_source_rows_inverts_the_routing_index(capacity_factor, device):
     # Experts 0 and 1 take every token: with capacity they drop copies while
     # the others leave padded rows empty.
     tokens, top_k, num_experts = 40, 3, 6
@@ -74,7 +76,7 @@ def test_source_rows_inverts_the_routing_index(capacity_factor):
     pad = capacity_factor is not None
     row_id_map, _, rows = permute_index(x, experts, num_experts, probs=probs, capacity_factor=capacity_factor,
                                         pad_to_capacity=pad, backend="torch")
-    index = source_rows(row_id_map, top_k, rows)
+    index = source_rows(row_id_map.to(device), top_k, rows).cpu()  # on cuda: the core's kernel
     assert index.dtype == torch.int32 and index.shape == (rows,)
     mapped = row_id_map >= 0
     copies = torch.arange(tokens * top_k)[mapped]

@@ -16,9 +16,11 @@
 #   fp8-ceiling  benchmarks/kernels/fp8_ceiling.py --rounds 4 (FP8 GEMMs against dense FP8)
 #   layer-profile  tools/layer_profile.py $LAYER_PROFILE_ARGS (kernel times of one MoELayer step)
 #   probe      tools/host_probe.py (PROBE_ARGS: its options)
+#   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step)
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
 #   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
-#              (tools/old_tree.sh COMMIT; carry it), three alternating processes each
+#              (tools/old_tree.sh COMMIT; carry it; a libmoe_grouped_core.so copied there is
+#              the old package's core), three alternating processes each
 # Logs and results go to $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -114,13 +116,20 @@ for phase in "$@"; do
       TAIL=120 run layer_profile python3 tools/layer_profile.py ${LAYER_PROFILE_ARGS:-} ;;
     probe)
       TAIL=100 run probe python3 tools/host_probe.py ${PROBE_ARGS:-} ;;
+    parts)
+      TAIL=40 run parts python3 tools/host_parts.py --trace "$OUT/step_trace.json" ;;
     host-ab)
       # Host times of an older package (.devbuild/before, from tools/old_tree.sh) against the
       # working tree's, in alternating processes (one process's times drift 20-40% from another's).
       for i in 1 2 3; do
         for tree in after before; do
-          runner=""; [ "$tree" = before ] && runner="tools/run_with_tree.py .devbuild/before"
-          timeout -k 10 "${RUN_TIMEOUT:-300}" python3 $runner benchmarks/host_overhead.py --no-write --rounds 5 \
+          runner=""; lib=$MOE_GROUPED_CORE_LIB
+          if [ "$tree" = before ]; then
+            runner="tools/run_with_tree.py .devbuild/before"
+            # A core copied beside the old package (its build) is the one it runs with.
+            [ -f .devbuild/before/libmoe_grouped_core.so ] && lib=$PWD/.devbuild/before/libmoe_grouped_core.so
+          fi
+          MOE_GROUPED_CORE_LIB=$lib timeout -k 10 "${RUN_TIMEOUT:-300}" python3 $runner benchmarks/host_overhead.py --no-write --rounds 5 \
             --cases "${HOST_AB_CASES:-moe_layer_cuda_fused}" > /tmp/host_ab.log 2>&1 || tail -5 /tmp/host_ab.log
           grep -E " host .* ms" /tmp/host_ab.log | sed "s/^/$tree $i: /" >> "$OUT/host_ab.log"
         done

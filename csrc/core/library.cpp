@@ -37,6 +37,9 @@ uint32_t capabilities() {
 #ifdef MG_HAVE_EP_TRANSPORT
   caps |= MG_CAP_EP_TRANSPORT;
 #endif
+#ifdef MG_HAVE_EXPERTS_SEQUENCE
+  caps |= MG_CAP_EXPERTS_SEQUENCE;
+#endif
   return caps;
 }
 
@@ -53,6 +56,7 @@ std::string describe() {
   if (caps & MG_CAP_SWIGLU) info += ", swiglu";
   if (caps & MG_CAP_FPROP_SWIGLU) info += ", fprop_swiglu_bf16";
   if (caps & MG_CAP_EP_TRANSPORT) info += ", ep_transport";
+  if (caps & MG_CAP_EXPERTS_SEQUENCE) info += ", experts_sequence";
   return info;
 }
 

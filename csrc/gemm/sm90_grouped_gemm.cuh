@@ -360,6 +360,39 @@ mg_status prepare_kernel(int device) {
   return MG_OK;
 }
 
+// Launches the GEMM kernel as CUTLASS's GemmUniversalAdapter::run does
+// (grid, block, shared memory, and the cluster shape as a launch attribute),
+// without the cudaFuncSetAttribute its cluster launcher repeats on every
+// launch: prepare_kernel set the shared memory limit once, and clusters of at
+// most 8 CTAs need no other attribute.
+template <class G>
+cudaError_t launch_kernel(typename G::Kernel::Params& params, cudaStream_t stream) {
+  using Kernel = typename G::Kernel;
+  using Cluster = typename Kernel::DispatchPolicy::ClusterShape;
+  static_assert(cute::size(Cluster{}) <= 8, "a cluster of more than 8 CTAs needs the non-portable size attribute");
+  const dim3 grid = G::Gemm::get_grid_shape(params);
+  const dim3 block = Kernel::get_block_shape();
+  const int smem = static_cast<int>(Kernel::SharedStorageSize);
+  if constexpr (cute::size(Cluster{}) == 1) {
+    cutlass::device_kernel<Kernel><<<grid, block, smem, stream>>>(params);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = cute::size<0>(Cluster{});
+    cluster.val.clusterDim.y = cute::size<1>(Cluster{});
+    cluster.val.clusterDim.z = cute::size<2>(Cluster{});
+    cudaLaunchConfig_t config{};
+    config.gridDim = grid;
+    config.blockDim = block;
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
+  }
+}
+
 // Zeroes dW_e of every group without tokens: elements_per_group values of
 // ElementD from ptr_d[e] (a multiple of 16 bytes).
 template <class ElementD>
@@ -401,14 +434,7 @@ mg_status launch_gemm(const typename G::Gemm::Arguments& args, const Workspace<G
       MG_CUDA_RETURN(cudaGetLastError());
     }
   }
-  status = G::Gemm::run(params, stream);
-  if (status != cutlass::Status::kSuccess) {
-    cudaError_t err = cudaGetLastError();
-    if (err != cudaSuccess) return cuda_fail(err, "the grouped GEMM launch");
-    return fail(MG_ERROR_INTERNAL, "CUTLASS failed to launch the grouped GEMM: %s",
-                cutlassGetStatusString(status));
-  }
-  MG_CUDA_RETURN(cudaGetLastError());
+  MG_CUDA_RETURN(launch_kernel<G>(params, stream));
   return MG_OK;
 }
 

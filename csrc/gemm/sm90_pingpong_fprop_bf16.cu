@@ -13,6 +13,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <mutex>
+
 // cute/tensor.hpp first: the SM90 atoms' headers assume what it declares.
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -503,7 +505,19 @@ mg_status launch(const GroupedGemmCall& call, cudaStream_t stream) {
   auto params = make_params<kSwiglu>(call);
   auto kernel = pingpong_fprop_kernel<kSwiglu, SplitT, decltype(params)>;
   constexpr int kSmem = sizeof(SharedStorage);
-  MG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  // The shared memory limit, raised once per device and kernel (per call it cost a runtime call per GEMM).
+  constexpr int kMaxDevices = 64;
+  static std::once_flag raised[kMaxDevices];
+  static cudaError_t results[kMaxDevices];
+  int device = 0;
+  MG_CUDA_RETURN(cudaGetDevice(&device));
+  if (device < 0 || device >= kMaxDevices) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "device %d is out of range [0, %d)", device, kMaxDevices);
+  }
+  std::call_once(raised[device], [&] {
+    results[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  });
+  MG_CUDA_RETURN(results[device]);
   kernel<<<call.sm_count, kThreads, kSmem, stream>>>(params);
   MG_CUDA_RETURN(cudaGetLastError());
   return MG_OK;

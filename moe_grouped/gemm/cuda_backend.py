@@ -108,6 +108,11 @@ def _operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
     return _core.GroupOperand(base=None, group_stride=0, ptrs=_pointer_array(tensors).data_ptr())
 
 
+def group_operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
+    """``mg_group_operand`` for one [E, N, K] weight or E [N, K] ones (contiguous; addresses cached by address)."""
+    return _operand(tensors)
+
+
 def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(f"the cuda backend needs {name} contiguous, got strides {tensor.stride()}")

@@ -289,13 +289,10 @@ def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Te
     the index through which the gathered GEMMs (``torch.ops.moe_grouped.
     grouped_fprop_gathered`` and friends) read token rows in place of a
     permuted copy. No host sync (graph-safe); deterministic, since each kept
-    row has one copy (dropped copies go to a spare slot that is cut off).
+    row has one copy. One core call on CUDA (``mg_permute_source_rows``),
+    torch ops elsewhere.
     """
-    token = torch.arange(row_id_map.shape[0], device=row_id_map.device, dtype=torch.int32) // top_k
-    # -1 (dropped) lands on the spare slot num_rows: remainder takes the divisor's sign.
-    target = row_id_map.to(torch.int64).remainder(num_rows + 1)
-    source = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
-    return source.scatter_(0, target, token)[:num_rows]
+    return ops.source_rows(row_id_map, top_k, num_rows)
 
 
 def unpermute(

@@ -110,3 +110,20 @@ def unpermute_rows_backward(
         )
     )
     return dy, dweights
+
+
+def has_source_rows() -> bool:
+    """Whether the loaded core has ``mg_permute_source_rows`` (MG_CAP_EXPERTS_SEQUENCE)."""
+    return _core.has(_core.CAP_EXPERTS_SEQUENCE)
+
+
+def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Tensor:
+    """``mg_permute_source_rows``: [num_rows] int32, the token of the copy at each row, -1 where none is."""
+    source = torch.empty(num_rows, dtype=torch.int32, device=row_id_map.device)
+    _core.check(
+        _core.require().mg_permute_source_rows(
+            row_id_map.data_ptr(), row_id_map.shape[0], top_k, num_rows, source.data_ptr(),
+            _core.stream_handle(row_id_map.device),
+        )
+    )
+    return source

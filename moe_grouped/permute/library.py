@@ -51,6 +51,19 @@ def _(experts, probs, num_experts, capacity, pad_to_capacity, backend):
     )
 
 
+@custom_op("source_rows", mutates_args=())
+def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Tensor:
+    """[num_rows] int32: the token of the copy at each row, -1 where none is; the core's kernel where it has one."""
+    if row_id_map.is_cuda and cuda_backend.has_source_rows():
+        return cuda_backend.source_rows(row_id_map.to(torch.int64).contiguous(), top_k, num_rows)
+    return torch_backend.source_rows(row_id_map, top_k, num_rows)
+
+
+@source_rows.register_fake
+def _(row_id_map, top_k, num_rows):
+    return row_id_map.new_empty(num_rows, dtype=torch.int32)
+
+
 @custom_op("permute_rows", mutates_args=())
 def permute_rows(
     x: torch.Tensor, row_id_map: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool, backend: str

@@ -120,3 +120,12 @@ def unpermute_rows_backward(
     kept = mapped.view(-1, top_k)
     dweights = (_gather_copies(y, row_id_map, top_k) * grad).sum(dim=-1)
     return dy, torch.where(kept, dweights, 0).to(weights.dtype)
+
+
+def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Tensor:
+    """[num_rows] int32: the token of the copy at each row, -1 where none is (see moe_grouped.permute.source_rows)."""
+    token = torch.arange(row_id_map.shape[0], device=row_id_map.device, dtype=torch.int32) // top_k
+    # -1 (dropped) lands on the spare slot num_rows: remainder takes the divisor's sign.
+    target = row_id_map.to(torch.int64).remainder(num_rows + 1)
+    source = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_id_map.device)
+    return source.scatter_(0, target, token)[:num_rows]

@@ -23,6 +23,7 @@ sum p_j`` over the chosen is that softmax); or, softmax without
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Optional
 
 import torch
@@ -82,7 +83,9 @@ def _ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
 
+@functools.lru_cache(maxsize=64)
 def partial_rows(num_tokens: int) -> int:
+    """Rows of ``mg_route_softmax``'s scratch for ``num_tokens`` (a function of it alone: asked once per size)."""
     rows = ctypes.c_int64()
     _core.check(_core.require().mg_route_softmax_partial_rows(num_tokens, ctypes.byref(rows)))
     return rows.value

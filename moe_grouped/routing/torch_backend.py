@@ -67,5 +67,7 @@ def gate_grads_from_halves(halves: torch.Tensor, x: torch.Tensor, weight: torch.
     if need_weight:
         both = torch.mm(halves.t(), x, out_dtype=torch.float32)
         num_experts = weight.shape[0]
-        grad_weight = (both[:num_experts] + both[num_experts:]).to(weight.dtype)
+        # The sum in float32, rounded once as it is stored: one kernel for the add and the cast.
+        grad_weight = torch.empty_like(weight)
+        torch.add(both[:num_experts], both[num_experts:], out=grad_weight)
     return grad_x, grad_weight

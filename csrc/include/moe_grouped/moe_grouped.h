@@ -91,6 +91,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_DGRAD_SWIGLU 128u
 #define MG_CAP_FPROP_SWIGLU 256u
 #define MG_CAP_EP_TRANSPORT 512u
+#define MG_CAP_EXPERTS_SEQUENCE 1024u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -601,6 +602,87 @@ MG_API size_t mg_ep_plan_scratch_bytes(int64_t num_tokens, int world_size);
 MG_API mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int top_k, int experts_per_rank,
                             int world_size, int64_t segment_rows, int32_t* pos, int32_t* index,
                             int32_t* counts, int32_t* scratch, void* stream);
+
+/* ---- the fused experts path's host-side sequences (MG_CAP_EXPERTS_SEQUENCE)
+ * What moe_grouped.experts runs from Python as one call per stage, so that
+ * an eager step pays one host crossing, not one per kernel. Each runs the
+ * same kernels with the same arguments in the same order as the separate
+ * calls named below, so its results are theirs, bit for bit.              */
+
+/* source[r] = row_id_map copy's token (copy / top_k) for the copy at row r,
+ * -1 for rows no copy maps to: the index the gathered GEMMs read token rows
+ * through. row_id_map [num_copies] int64 (-1: dropped); source [num_rows]
+ * int32. A memset and one kernel.                                          */
+MG_API mg_status mg_permute_source_rows(const int64_t* row_id_map, int64_t num_copies, int top_k,
+                                        int64_t num_rows, int32_t* source, void* stream);
+
+/* The forward of the fused experts op up to fc2, bf16 (MG_CAP_FPROP_SWIGLU
+ * and MG_CAP_GATHERED_GEMM too): index = mg_permute_source_rows; (g, h) =
+ * mg_grouped_fprop_swiglu of the tokens read through index; y =
+ * mg_grouped_fprop(h, w2). R = num_rows > 0, T = num_tokens > 0. The combine
+ * (mg_unpermute_rows of y) is the caller's, so that y's buffer can go before
+ * the output's is taken. Scratch (index and h):
+ * mg_experts_forward_scratch_bytes.                                        */
+typedef struct mg_experts_forward_args {
+  mg_grouped_problem problem; /* num_groups E, total_rows R, m_splits, dtype,
+                                 device (n, k and the slot are set per GEMM) */
+  int64_t num_tokens;         /* T */
+  int top_k;
+  int64_t hidden;             /* H */
+  int64_t ffn;                /* I */
+  const int64_t* row_id_map;  /* [T * top_k] */
+  const void* tokens;         /* [T, H] */
+  mg_group_operand w1;        /* E x [2I, H] */
+  mg_group_operand w2;        /* E x [H, I] */
+  void* scratch;              /* 256-byte aligned */
+  void* g;                    /* [R, 2I] out: fc1's output */
+  void* y;                    /* [R, H] out: fc2's output */
+} mg_experts_forward_args;
+MG_API mg_status mg_experts_forward_scratch_bytes(int64_t rows, int64_t ffn, mg_dtype dtype, size_t* out_bytes);
+MG_API mg_status mg_experts_forward_fc(const mg_experts_forward_args* args, void* stream);
+
+/* The backward of the fused experts op (moe_grouped.experts.FusedExpertsFunction)
+ * for routed tokens, fc1 [E, 2I, H] and fc2 [E, H, I] without bias, in the
+ * 16-bit dtype on the cooperative GEMMs, in two phases whose scratch the
+ * caller allocates in turn (so the buffers live as long as the separate
+ * calls' would). R = num_rows > 0 permuted rows, T = num_tokens > 0.
+ *   phase fc2 (mg_experts_backward_fc2):
+ *     row_weights = permute of probs (mg_permute_rows, zeroed first);
+ *     rows = dy_u = permute of dout (zeroed first when zero_unmapped);
+ *     wh = mg_grouped_dgrad(dy_u, w2); mg_swiglu_weighted_backward in place
+ *     (g becomes dg, wh becomes w * h, dprob written, tail not zeroed);
+ *     dw2 = mg_grouped_wgrad(dy_u, wh) (not accumulating), when dw2;
+ *     dprobs = mg_unpermute_rows of dprob (one column), when dprobs.
+ *   phase fc1 (mg_experts_backward_fc1), after phase fc2 on the same g:
+ *     rows = mg_grouped_dgrad(dg, w1) and dx = its plain unpermute, when
+ *     dx; rows = permute of tokens (zeroed first when zero_unmapped) and
+ *     dw1 = mg_grouped_wgrad(dg, rows), when dw1.
+ * Scratch: mg_experts_backward_scratch_bytes(phase 2: fc2, 1: fc1, ...).   */
+typedef struct mg_experts_backward_args {
+  mg_grouped_problem problem; /* num_groups E, total_rows R, m_splits, dtype,
+                                 device (n, k and the slot are set per GEMM) */
+  int64_t num_tokens;         /* T */
+  int top_k;
+  int64_t hidden;             /* H */
+  int64_t ffn;                /* I */
+  const int64_t* row_id_map;  /* [T * top_k] */
+  int zero_unmapped;          /* rows no copy maps to exist (a capacity) */
+  const void* dout;           /* [T, H] */
+  const void* tokens;         /* [T, H] */
+  const float* probs;         /* [T * top_k] */
+  void* g;                    /* [R, 2I]: fc1's output, then dg */
+  mg_group_operand w1;        /* E x [2I, H] */
+  mg_group_operand w2;        /* E x [H, I] */
+  void* scratch;              /* the phase's scratch, 256-byte aligned */
+  void* dw2;                  /* [E, H, I], or NULL */
+  float* dprobs;              /* [T * top_k], or NULL */
+  void* dx;                   /* [T, H], or NULL */
+  void* dw1;                  /* [E, 2I, H], or NULL */
+} mg_experts_backward_args;
+MG_API mg_status mg_experts_backward_scratch_bytes(int phase, int64_t rows, int64_t hidden, int64_t ffn,
+                                                   mg_dtype dtype, size_t* out_bytes);
+MG_API mg_status mg_experts_backward_fc2(const mg_experts_backward_args* args, void* stream);
+MG_API mg_status mg_experts_backward_fc1(const mg_experts_backward_args* args, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

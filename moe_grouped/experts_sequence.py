@@ -1,0 +1,166 @@
+"""The fused experts op on the ``cuda`` backends as a few core calls.
+
+:class:`moe_grouped.experts.FusedExpertsFunction` runs about four kernels
+forward and a dozen backward; from Python each is a call through an op, a
+backend function and ctypes, and eager (the GPU faster than the host) those
+calls are the step's cost. Where the op's stages are the plain ones of this
+module's conditions, the core runs the same kernels in the same order with
+the same arguments from one call forward up to fc2 (``mg_experts_forward_fc``;
+the combine stays the op's) and two backward (``mg_experts_backward_fc2`` and
+``_fc1``, csrc/experts), so outputs and gradients are the Python stages' bit
+for bit. Buffers are taken call by call, so they live as long as the separate
+calls' would. docs/host-overhead.md has the measurements.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from typing import Optional
+
+import torch
+
+from . import _core, _ops
+from .gemm import cuda_backend
+
+SEQUENCE_DTYPES = (torch.bfloat16, torch.float16)
+ENV = "MOE_GROUPED_EXPERTS_SEQUENCE"
+# False: the Python stages run every backward (for A/B measurements and tests). Read at import; set the
+# attribute to change it later.
+enabled = os.environ.get(ENV, "1") != "0"
+
+
+def applies(plan, sinks, stages, plain_stages, tokens: torch.Tensor, probs: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether :func:`backward` computes this backward: plain eager tensors (the op's
+    :class:`~moe_grouped._ops.DirectCalls` region is on), the layer-dtype stages (``plain_stages``),
+    routed, no sinks, no deferred or fused-accumulation weight gradients, all on the ``cuda`` backends,
+    16-bit operands, rows and tokens, and a core with the sequences."""
+    fc1, fc2 = plan.fc1, plan.fc2
+    return (
+        enabled
+        and _ops.direct_region()
+        and stages is plain_stages
+        and plan.routed
+        and sinks is None
+        and plan.gemm_backend == "cuda" and plan.permute_backend == "cuda" and plan.activation_backend == "cuda"
+        and not (fc1.fuse_wgrad_accumulation or fc1.delay_wgrad_compute or fc1.has_bias)
+        and not (fc2.fuse_wgrad_accumulation or fc2.delay_wgrad_compute or fc2.has_bias)
+        and g.dtype in SEQUENCE_DTYPES and tokens.dtype == g.dtype
+        and probs.is_floating_point()
+        and g.shape[0] > 0 and tokens.shape[0] > 0
+        and _core.has(_core.CAP_EXPERTS_SEQUENCE)
+        and not cuda_backend.dgrad_swiglu_fuses(g, g)
+    )
+
+
+def forward_applies(plan, stages, plain_stages, tokens: torch.Tensor, w1: list) -> bool:
+    """Whether :func:`forward_fc` computes fc1 and fc2: plain eager tensors, the layer-dtype stages,
+    routed onto rows, fc1 gathered with SwiGLU in bf16 on the ``cuda`` backends (as the stages would)."""
+    return (
+        enabled
+        and _ops.direct_region()
+        and stages is plain_stages
+        and plan.routed
+        and plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
+        and plan.num_rows > 0 and tokens.shape[0] > 0
+        and _core.has(_core.CAP_EXPERTS_SEQUENCE)
+        and cuda_backend.fuses_fc1_swiglu(tokens, True, w1)
+    )
+
+
+def forward_fc(plan, tokens, row_id_map, m_splits, w1: list, w2: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g [R, 2I], y [R, H]): fc1 with SwiGLU on the tokens read through the routing index, then fc2."""
+    rows, (num_tokens, hidden) = plan.num_rows, tokens.shape
+    ffn = w1[0].shape[-2] // 2
+    dtype, device = tokens.dtype, tokens.device
+    tokens = tokens.contiguous()
+    g = torch.empty(rows, 2 * ffn, dtype=dtype, device=device)
+    y = torch.empty(rows, hidden, dtype=dtype, device=device)
+    scratch = torch.empty(_forward_scratch_bytes(rows, ffn, _core.dtype_code(dtype)), dtype=torch.uint8,
+                          device=device)
+    args = _core.ExpertsForwardArgs(
+        problem=_problem(m_splits, rows, dtype, device), num_tokens=num_tokens, top_k=plan.top_k, hidden=hidden,
+        ffn=ffn, row_id_map=row_id_map.data_ptr(), tokens=tokens.data_ptr(), w1=cuda_backend.group_operand(w1),
+        w2=cuda_backend.group_operand(w2), scratch=scratch.data_ptr(), g=g.data_ptr(), y=y.data_ptr(),
+    )
+    _core.check(_core.require().mg_experts_forward_fc(ctypes.byref(args), _core.stream_handle(device)))
+    return g, y
+
+
+def _problem(m_splits: torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> _core.GroupedProblem:
+    """The sequences' problem: E groups over ``rows`` rows (each GEMM sets its n, k and slot)."""
+    return _core.GroupedProblem(
+        num_groups=m_splits.shape[0], total_rows=rows, n=0, k=0, m_splits=m_splits.data_ptr(),
+        splits_dtype=_core.dtype_code(m_splits.dtype), dtype=_core.dtype_code(dtype),
+        device=_core.device_index(device), workspace_slot=0,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_scratch_bytes(rows: int, ffn: int, dtype_code: int) -> int:
+    size = ctypes.c_size_t()
+    _core.check(_core.require().mg_experts_forward_scratch_bytes(rows, ffn, dtype_code, ctypes.byref(size)))
+    return size.value
+
+
+@functools.lru_cache(maxsize=64)
+def _scratch_bytes(phase: int, rows: int, hidden: int, ffn: int, dtype_code: int) -> int:
+    size = ctypes.c_size_t()
+    _core.check(_core.require().mg_experts_backward_scratch_bytes(phase, rows, hidden, ffn, dtype_code,
+                                                                 ctypes.byref(size)))
+    return size.value
+
+
+def _ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
+    return None if tensor is None else tensor.data_ptr()
+
+
+def backward(plan, needs: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list, w2: list) -> tuple:
+    """(dx, dprobs, w1 grads, w2 grads) as the Python stages give them (None where not needed); g becomes dg."""
+    first_weight = 9  # the op's inputs before its weights (see FusedExpertsFunction)
+    fc1_needed = any(needs[first_weight : first_weight + len(w1)])
+    fc2_needed = any(needs[first_weight + len(w1) :])
+    dtype, device = g.dtype, g.device
+    rows, num_tokens, top_k = g.shape[0], tokens.shape[0], probs.shape[1]
+    hidden, ffn = tokens.shape[1], g.shape[1] // 2
+    num_experts = m_splits.shape[0]
+    dtype_code = _core.dtype_code(dtype)
+    dout = dout.to(dtype).contiguous()
+    tokens = tokens.contiguous()
+    flat_probs = probs.detach().reshape(-1).to(torch.float32).contiguous()  # the stages' row weights: float32
+    stream = _core.stream_handle(device)
+    lib = _core.require()
+    args = _core.ExpertsBackwardArgs(
+        problem=_problem(m_splits, rows, dtype, device),
+        num_tokens=num_tokens, top_k=top_k, hidden=hidden, ffn=ffn, row_id_map=row_id_map.data_ptr(),
+        zero_unmapped=int(plan.zero_unmapped), dout=dout.data_ptr(), tokens=tokens.data_ptr(),
+        probs=flat_probs.data_ptr(), g=g.data_ptr(), w1=cuda_backend.group_operand(w1),
+        w2=cuda_backend.group_operand(w2),
+    )
+    scratch = torch.empty(_scratch_bytes(2, rows, hidden, ffn, dtype_code), dtype=torch.uint8, device=device)
+    dw2 = torch.empty(num_experts, hidden, ffn, dtype=dtype, device=device) if fc2_needed else None
+    dprobs = torch.empty(num_tokens * top_k, dtype=torch.float32, device=device) if needs[1] else None
+    args.scratch, args.dw2, args.dprobs = scratch.data_ptr(), _ptr(dw2), _ptr(dprobs)
+    _core.check(lib.mg_experts_backward_fc2(ctypes.byref(args), stream))
+    # g is dg now: a second backward through the graph that saved it must fail (as the Python stages' op does).
+    torch.autograd.graph.increment_version([g])
+    del scratch
+    scratch = torch.empty(_scratch_bytes(1, rows, hidden, ffn, dtype_code), dtype=torch.uint8, device=device)
+    dx = torch.empty(num_tokens, hidden, dtype=dtype, device=device) if needs[0] else None
+    dw1 = torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype, device=device) if fc1_needed else None
+    args.scratch, args.dx, args.dw1 = scratch.data_ptr(), _ptr(dx), _ptr(dw1)
+    _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
+    return (
+        dx,
+        None if dprobs is None else dprobs.view(probs.shape).to(probs.dtype),
+        _as_params(dw1, w1),
+        _as_params(dw2, w2),
+    )
+
+
+def _as_params(grads: Optional[torch.Tensor], weights: list) -> list:
+    """One [E, N, K] gradient as the parameters hold it: itself for one grouped weight, else a view per expert."""
+    if grads is None:
+        return [None] * len(weights)
+    return [grads] if weights[0].dim() == 3 else list(grads.unbind(0))
