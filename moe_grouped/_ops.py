@@ -78,6 +78,21 @@ def _plain(value, grad: bool) -> bool:
     return not isinstance(value, torch.Tensor)  # a tensor subclass (FakeTensor, DTensor, ...) is not plain
 
 
+def _args_plain(args: tuple, grad: bool) -> bool:
+    """:func:`_plain` of every argument, in one loop (the op wrapper runs it on every call)."""
+    for value in args:
+        kind = type(value)
+        if kind in _PLAIN:
+            if value.is_meta or (grad and value.requires_grad):
+                return False
+        elif kind is list or kind is tuple:
+            if not _plain(value, grad):
+                return False
+        elif isinstance(value, torch.Tensor):
+            return False
+    return True
+
+
 def _eager_only() -> bool:
     """True when no compiler, mode or transform could be watching the call."""
     return not (
@@ -105,8 +120,7 @@ def _caller(name: str) -> Callable:
         elif not _eager_only():
             return op(*args)
         else:
-            grad = _is_grad_enabled()
-            if not all(_plain(arg, grad) for arg in args):
+            if not _args_plain(args, _is_grad_enabled()):
                 return op(*args)
             if not mutated:
                 return body(*args)

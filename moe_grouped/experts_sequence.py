@@ -26,8 +26,8 @@ from .gemm import cuda_backend
 
 SEQUENCE_DTYPES = (torch.bfloat16, torch.float16)
 ENV = "MOE_GROUPED_EXPERTS_SEQUENCE"
-# False: the Python stages run every backward (for A/B measurements and tests). Read at import; set the
-# attribute to change it later.
+# "0": the Python stages run every forward and backward (A/B measurements, tests). Read at import; set
+# ``enabled`` to change it later.
 enabled = os.environ.get(ENV, "1") != "0"
 
 
