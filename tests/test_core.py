@@ -152,3 +152,61 @@ def test_setup_kernel_offsets_and_problem_shapes(num_groups, splits_dtype):
         )
         assert offsets.tolist() == expected_offsets
         assert [tuple(s) for s in shapes.tolist()] == [make(c) for c in counts], f"kind {kind}"
+
+
+def _sequence_args(cls, **fields):
+    """A ``cls`` (the sequences' argument struct) of valid sizes and fake aligned addresses, then ``fields``."""
+    problem = _core.GroupedProblem(num_groups=4, total_rows=32, n=0, k=0, m_splits=256,
+                                   splits_dtype=_core.dtype_code(torch.int64),
+                                   dtype=_core.dtype_code(torch.bfloat16), device=0, workspace_slot=0)
+    args = cls(problem=problem, num_tokens=16, top_k=2, hidden=64, ffn=32, row_id_map=256, tokens=256,
+               scratch=256)
+    for name in ("g", "dout", "probs", "y"):
+        if any(name == f[0] for f in cls._fields_):
+            setattr(args, name, 256)
+    for name, value in fields.items():
+        if name in ("dtype", "total_rows"):
+            setattr(args.problem, name, value)
+        else:
+            setattr(args, name, value)
+    return args
+
+
+@needs_core
+@pytest.mark.skipif(not _core.has(_core.CAP_EXPERTS_SEQUENCE), reason="core built without the experts sequences")
+def test_experts_sequences_check_their_arguments_before_any_launch():
+    import ctypes
+
+    lib = _core.lib
+    backward = (lib.mg_experts_backward_fc2, lib.mg_experts_backward_fc1)
+    for entry in backward:
+        with pytest.raises(ValueError, match="args must not be NULL"):
+            _core.check(entry(None, None))
+        args = _sequence_args(_core.ExpertsBackwardArgs, dtype=_core.dtype_code(torch.float32))
+        with pytest.raises(ValueError, match="runs bf16 or fp16 operands, got float32"):
+            _core.check(entry(ctypes.byref(args), None))
+        args = _sequence_args(_core.ExpertsBackwardArgs, total_rows=0)
+        with pytest.raises(ValueError, match="must be positive, got 0, 16, 2, 64, 32"):
+            _core.check(entry(ctypes.byref(args), None))
+        args = _sequence_args(_core.ExpertsBackwardArgs, scratch=0x101)
+        with pytest.raises(ValueError, match="scratch must be 256-byte aligned"):
+            _core.check(entry(ctypes.byref(args), None))
+    args = _sequence_args(_core.ExpertsForwardArgs, dtype=_core.dtype_code(torch.float16))
+    with pytest.raises(_core.UnsupportedError, match="gathered fc1 runs bf16 operands, got float16"):
+        _core.check(lib.mg_experts_forward_fc(ctypes.byref(args), None))
+    args = _sequence_args(_core.ExpertsForwardArgs, y=None)
+    with pytest.raises(ValueError, match="scratch, g and y must be device pointers"):
+        _core.check(lib.mg_experts_forward_fc(ctypes.byref(args), None))
+    with pytest.raises(ValueError, match="top_k > 0, got 8, 4, 0"):
+        _core.check(lib.mg_permute_source_rows(256, 8, 0, 4, 256, None))
+    size = ctypes.c_size_t()
+    with pytest.raises(ValueError, match="phase must be 2 \\(fc2\\) or 1 \\(fc1\\), got 3"):
+        _core.check(lib.mg_experts_backward_scratch_bytes(3, 32, 64, 32, _core.dtype_code(torch.bfloat16),
+                                                          ctypes.byref(size)))
+    # Each buffer on a 256-byte boundary: index [32] int32 then h [32, 32] bf16.
+    _core.check(lib.mg_experts_forward_scratch_bytes(32, 32, _core.dtype_code(torch.bfloat16), ctypes.byref(size)))
+    assert size.value == 256 + 32 * 32 * 2
+    # fc2 phase: rows [32, 64] and wh [32, 32] bf16, row weights and dprob [32] fp32.
+    _core.check(lib.mg_experts_backward_scratch_bytes(2, 32, 64, 32, _core.dtype_code(torch.bfloat16),
+                                                      ctypes.byref(size)))
+    assert size.value == 32 * 64 * 2 + 32 * 32 * 2 + 256 + 256
