@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from moe_grouped._ops import _BODIES, ops
+from moe_grouped._ops import _BODIES, DirectCalls, direct_region, ops
 
 
 def problem(num_experts=3, total=12, k=8, n=4, seed=0):
@@ -133,6 +133,45 @@ def test_inference_tensors_get_the_dispatcher_rules(direct_calls):
     with torch.inference_mode():
         ops.grouped_wgrad_(dy, x, splits, [outs[1]], False, "reference")
     assert direct_calls == ["grouped_wgrad_"] and outs[1].abs().sum() > 0
+
+
+def test_a_direct_region_runs_bodies_and_still_bumps_versions(direct_calls):
+    x, w, dy, splits = problem()
+    out = torch.zeros_like(w[0])
+    leaf = torch.ones(3, requires_grad=True)
+    saved = (leaf[:, None, None] * out).sum()  # mul saves `out` for leaf's gradient
+    version = out._version
+    with torch.no_grad(), DirectCalls((x, w[0], dy, splits, out, None)):
+        assert direct_region()
+        y = ops.grouped_fprop(x, w, splits, None, torch.float32, "reference", True)
+        ops.grouped_wgrad_(dy, x, splits, [out], False, "reference")
+    assert not direct_region()
+    assert direct_calls == ["grouped_fprop", "grouped_wgrad_"]
+    torch.testing.assert_close(y, torch.ops.moe_grouped.grouped_fprop(x, w, splits, None, torch.float32,
+                                                                      "reference", True), rtol=0, atol=0)
+    assert out._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+
+
+@pytest.mark.parametrize("why", ["grad mode", "meta tensor", "fake tensor", "torch function mode"])
+def test_a_direct_region_is_off_where_a_call_would_need_the_dispatcher(why, direct_calls):
+    x, w, dy, splits = problem()
+    if why == "meta tensor":
+        x = torch.empty(12, 8, device="meta")
+    with torch.set_grad_enabled(why == "grad mode"):
+        if why == "fake tensor":
+            with FakeTensorMode() as mode:
+                fake = mode.from_tensor(x)
+            region = DirectCalls((fake, w[0]))
+        elif why == "torch function mode":
+            with torch.device("cpu"):
+                region = DirectCalls((x, w[0]))
+        else:
+            region = DirectCalls((x, w[0]))
+        with region:
+            assert not direct_region()
+    assert direct_calls == []
 
 
 def test_unknown_op_is_an_attribute_error():
