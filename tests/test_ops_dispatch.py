@@ -56,12 +56,16 @@ def test_autograd_goes_through_the_dispatcher(direct_calls):
     torch.testing.assert_close(w[0].grad, ref_w.grad)
 
 
+def _saved_for_backward(out):
+    """(a loss whose backward reads ``out`` [E, N, K], ``out``'s version now)."""
+    leaf = torch.ones(out.shape[0], requires_grad=True)
+    return (leaf[:, None, None] * out).sum(), out._version  # mul saves `out` for leaf's gradient
+
+
 def test_direct_in_place_op_bumps_the_version_autograd_checks(direct_calls):
     x, w, dy, splits = problem()
     out = torch.zeros_like(w[0])
-    leaf = torch.ones(3, requires_grad=True)
-    saved = (leaf[:, None, None] * out).sum()  # mul saves `out` for leaf's gradient
-    version = out._version
+    saved, version = _saved_for_backward(out)
     with torch.no_grad():
         ops.grouped_wgrad_(dy, x, splits, [out], False, "reference")
     assert direct_calls == ["grouped_wgrad_"]
@@ -138,9 +142,7 @@ def test_inference_tensors_get_the_dispatcher_rules(direct_calls):
 def test_a_direct_region_runs_bodies_and_still_bumps_versions(direct_calls):
     x, w, dy, splits = problem()
     out = torch.zeros_like(w[0])
-    leaf = torch.ones(3, requires_grad=True)
-    saved = (leaf[:, None, None] * out).sum()  # mul saves `out` for leaf's gradient
-    version = out._version
+    saved, version = _saved_for_backward(out)
     with torch.no_grad(), DirectCalls((x, w[0], dy, splits, out, None)):
         assert direct_region()
         y = ops.grouped_fprop(x, w, splits, None, torch.float32, "reference", True)

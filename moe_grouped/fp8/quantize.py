@@ -26,6 +26,7 @@ import torch
 
 from .._ops import custom_op, ops
 from .. import _checks, _core
+from .._tensors import gather_rows
 from ..gemm import cuda_backend  # the GEMMs' grouped operand and its address-array cache
 from .quantize_reference import (
     BlockQuantized,
@@ -392,9 +393,10 @@ def quantize_gathered(
     ``x`` [T, K]; ``index`` [R] int32 on x's device, an entry outside
     ``[0, T)`` standing for a row of zeros (``permute.source_rows`` gives
     -1 for rows no copy maps to); None: x's own rows. Bit for bit what
-    gathering and then :func:`quantize_rowwise` / :func:`quantize_grouped`
-    give. Without ``m_splits`` only the row-wise copy is made; with it the
-    grouped column-wise copy too, and the row-wise one when ``rowwise``.
+    gathering (:func:`moe_grouped._tensors.gather_rows`) and then
+    :func:`quantize_rowwise` / :func:`quantize_grouped` give. Without
+    ``m_splits`` only the row-wise copy is made; with it the grouped
+    column-wise copy too, and the row-wise one when ``rowwise``.
     Reads ``index`` and ``m_splits`` on the device only on the ``cuda``
     backend (graph-safe); ``reference`` reads them on the host.
     """
@@ -428,13 +430,6 @@ def quantize_gathered(
         backend,
     )
     return GroupedQuantized(row_buffers, columnwise, None)
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x[index]`` with a row of zeros where an entry is outside ``[0, T)`` (the gathered quantizers' rows)."""
-    valid = (index >= 0) & (index < x.shape[0])
-    rows = x[index.clamp(0, max(x.shape[0] - 1, 0)).long()] if x.shape[0] else x.new_zeros(index.shape[0], x.shape[1])
-    return torch.where(valid[:, None], rows, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _address(tensor: Optional[torch.Tensor]) -> Optional[int]:
