@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "activation/swiglu_backward_math.cuh"
+#include "core/device_guard.h"
 #include "core/elementwise.cuh"
 #include "core/error.h"
 
@@ -126,6 +127,7 @@ using namespace moe_grouped;
 
 extern "C" mg_status mg_swiglu_forward(const void* h, mg_dtype dtype, int64_t rows, int64_t ffn, void* y,
                                        void* stream) {
+  MG_ENTER_DEVICE_OF(y);
   MG_RETURN_IF_ERROR(check_args(dtype, rows, ffn, {h, y}));
   if (rows == 0 || ffn == 0) return ok();
   return dispatch(dtype, ffn, {h, y}, [&](auto zero, auto vector) {
@@ -138,6 +140,7 @@ extern "C" mg_status mg_swiglu_forward(const void* h, mg_dtype dtype, int64_t ro
 
 extern "C" mg_status mg_swiglu_backward(const void* dy, const void* h, mg_dtype dtype, int64_t rows,
                                         int64_t ffn, void* dh, void* stream) {
+  MG_ENTER_DEVICE_OF(dh);
   MG_RETURN_IF_ERROR(check_args(dtype, rows, ffn, {dy, h, dh}));
   if (rows == 0 || ffn == 0) return ok();
   return dispatch(dtype, ffn, {dy, h, dh}, [&](auto zero, auto vector) {

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "activation/swiglu_backward_math.cuh"
+#include "core/device_guard.h"
 #include "core/elementwise.cuh"
 #include "core/error.h"
 #include "core/setup.cuh"
@@ -150,6 +151,7 @@ extern "C" mg_status mg_swiglu_weighted_backward(const void* dh_u, const void* g
                                                  const void* m_splits, mg_dtype splits_dtype, int num_groups,
                                                  mg_dtype dtype, int64_t rows, int64_t ffn, void* dg, void* wh,
                                                  float* dprob, int zero_tail, void* stream) {
+  MG_ENTER_DEVICE_OF(dg);
   MG_RETURN_IF_ERROR(check_args(dtype, rows, ffn, splits_dtype, m_splits, num_groups, {dh_u, g, dg, wh}));
   if (rows == 0) return ok();
   if (ffn == 0) {  // empty rows: only dprob, all zero

@@ -3,6 +3,7 @@
 // behind mg_zero_rows_past_splits, which clears the rows past their sum.
 #include <cub/block/block_reduce.cuh>
 
+#include "device_guard.h"
 #include "error.h"
 #include "setup.cuh"
 
@@ -98,6 +99,7 @@ using namespace moe_grouped;
 extern "C" mg_status mg_grouped_setup(const void* m_splits, mg_dtype splits_dtype, int num_groups,
                                       int64_t total_rows, int64_t n, int64_t k, mg_gemm_kind kind,
                                       int64_t* offsets, int32_t* problem_shapes, void* stream) {
+  MG_ENTER_DEVICE_OF(offsets);
   MG_RETURN_IF_ERROR(check_splits_dtype(splits_dtype));
   if (num_groups <= 0) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "num_groups must be positive, got %d", num_groups);
@@ -145,9 +147,8 @@ extern "C" mg_status mg_zero_rows_past_splits(const void* m_splits, mg_dtype spl
   }
   int sms = 0;
   MG_CUDA_RETURN(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int previous = 0;
-  MG_CUDA_RETURN(cudaGetDevice(&previous));
-  if (previous != device) MG_CUDA_RETURN(cudaSetDevice(device));
+  DeviceGuard guard;
+  MG_RETURN_IF_ERROR(guard.enter(device));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   const int max_blocks = kZeroBlocksPerSm * sms;
   if (splits_dtype == MG_INT32) {
@@ -157,8 +158,6 @@ extern "C" mg_status mg_zero_rows_past_splits(const void* m_splits, mg_dtype spl
     zero_rows(static_cast<const int64_t*>(m_splits), num_groups, total_rows, out, row_bytes, max_blocks,
               cuda_stream);
   }
-  const cudaError_t launched = cudaGetLastError();
-  if (previous != device) cudaSetDevice(previous);
-  MG_CUDA_RETURN(launched);
+  MG_CUDA_RETURN(cudaGetLastError());
   return ok();
 }

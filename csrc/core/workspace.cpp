@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_guard.h"
 #include "error.h"
 
 namespace moe_grouped {
@@ -38,19 +39,6 @@ mg_status check_key(int device, int slot) {
   return MG_OK;
 }
 
-// Restores the caller's current device when it goes out of scope.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cudaGetDevice(&previous_);
-    if (previous_ != device) cudaSetDevice(device);
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-
- private:
-  int previous_ = 0;
-};
-
 bool is_capture_error(cudaError_t err) {
   return err == cudaErrorStreamCaptureUnsupported || err == cudaErrorStreamCaptureInvalidated ||
          err == cudaErrorStreamCaptureImplicit || err == cudaErrorStreamCaptureWrongThread;
@@ -62,7 +50,8 @@ mg_status grow(Entry& entry, int device, int slot, size_t bytes) {
   // leave a trail of retired buffers.
   size_t target = align_up(bytes > entry.capacity + entry.capacity / 2 ? bytes
                                                                        : entry.capacity + entry.capacity / 2);
-  DeviceGuard guard(device);
+  DeviceGuard guard;
+  MG_RETURN_IF_ERROR(guard.enter(device));
   void* fresh = nullptr;
   cudaError_t err = cudaMalloc(&fresh, target);
   if (is_capture_error(err)) {
@@ -152,7 +141,8 @@ mg_status mg_workspace_release(int device, int slot) {
       continue;
     }
     Entry& entry = it->second;
-    DeviceGuard guard(it->first.first);
+    DeviceGuard guard;
+    MG_RETURN_IF_ERROR(guard.enter(it->first.first));
     // The caller promised no graph using these buffers replays again; wait
     // for eager work still reading them.
     MG_CUDA_RETURN(cudaDeviceSynchronize());

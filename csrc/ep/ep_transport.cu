@@ -18,12 +18,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 
+#include "core/device_guard.h"
 #include "core/error.h"
+#include "core/kernel_attributes.h"
 
 namespace moe_grouped {
 namespace {
@@ -463,16 +464,11 @@ mg_status make_group(const char* op, const mg_ep_group* group, Group* g) {
   return ok();
 }
 
-template <typename Kernel, typename Params>
-mg_status launch_pull(const char* op, Kernel kernel, int num_blocks, const Params& params, cudaStream_t stream) {
-  // Once per kernel and device (the attribute belongs to the device's context).
-  static std::atomic<bool> raised[64];
+template <auto kernel, typename Params>
+mg_status launch_pull(const char* op, int num_blocks, const Params& params, cudaStream_t stream) {
   int device = 0;
   MG_CUDA_RETURN(cudaGetDevice(&device));
-  if (device < 0 || device >= 64 || !raised[device].load(std::memory_order_acquire)) {
-    MG_CUDA_RETURN(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kOneBlockPerSmBytes));
-    if (device >= 0 && device < 64) raised[device].store(true, std::memory_order_release);
-  }
+  MG_RETURN_IF_ERROR(raise_shared_memory_once<kernel>(device, kOneBlockPerSmBytes));
   kernel<<<num_blocks, kThreads, kOneBlockPerSmBytes, stream>>>(params);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_fail(err, op);
@@ -482,7 +478,7 @@ mg_status launch_pull(const char* op, Kernel kernel, int num_blocks, const Param
 template <typename T, int kMaxRanks>
 mg_status launch_combine(const CombineParams& params, int num_blocks, cudaStream_t stream) {
   constexpr int kChunks = kMaxRanks >= 16 ? 1 : 16 / kMaxRanks;
-  return launch_pull("mg_ep_combine", combine_kernel<T, kMaxRanks, kChunks>, num_blocks, params, stream);
+  return launch_pull<combine_kernel<T, kMaxRanks, kChunks>>("mg_ep_combine", num_blocks, params, stream);
 }
 
 template <typename T>
@@ -501,6 +497,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 using namespace moe_grouped;
 
 extern "C" mg_status mg_ep_dispatch(const mg_ep_group* group, const mg_ep_dispatch_args* args, void* stream) {
+  MG_ENTER_DEVICE_OF(args != nullptr ? args->out_rows : nullptr);
   const char* op = "mg_ep_dispatch";
   DispatchParams p{};
   MG_RETURN_IF_ERROR(make_group(op, group, &p.g));
@@ -535,10 +532,11 @@ extern "C" mg_status mg_ep_dispatch(const mg_ep_group* group, const mg_ep_dispat
   p.extra_bytes = args->extra_bytes;
   p.out_rows = static_cast<char*>(args->out_rows);
   p.out_extra = static_cast<char*>(args->out_extra);
-  return launch_pull(op, dispatch_kernel, group->num_blocks, p, static_cast<cudaStream_t>(stream));
+  return launch_pull<dispatch_kernel>(op, group->num_blocks, p, static_cast<cudaStream_t>(stream));
 }
 
 extern "C" mg_status mg_ep_combine(const mg_ep_group* group, const mg_ep_combine_args* args, void* stream) {
+  MG_ENTER_DEVICE_OF(args != nullptr ? args->out : nullptr);
   const char* op = "mg_ep_combine";
   CombineParams p{};
   MG_RETURN_IF_ERROR(make_group(op, group, &p.g));
@@ -594,6 +592,7 @@ extern "C" size_t mg_ep_plan_scratch_bytes(int64_t num_tokens, int world_size) {
 extern "C" mg_status mg_ep_plan(const int64_t* experts, int64_t num_tokens, int top_k, int experts_per_rank,
                                 int world_size, int64_t segment_rows, int32_t* pos, int32_t* index, int32_t* counts,
                                 int32_t* scratch, void* stream) {
+  MG_ENTER_DEVICE_OF(experts);
   const char* op = "mg_ep_plan";
   if (world_size < 1 || world_size > MG_EP_MAX_RANKS) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: world_size must be in [1, %d], got %d", op, MG_EP_MAX_RANKS,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "core/device_guard.h"
 #include "core/error.h"
 
 namespace moe_grouped {
@@ -54,6 +55,26 @@ Fc2Scratch carve_fc2(void* base, int64_t rows, int64_t hidden, int64_t ffn, mg_d
   return s;
 }
 
+// The sizes both sequences take (forward and backward args have these fields): all positive.
+template <class Args>
+mg_status check_sizes(const Args* a, const char* op) {
+  if (a->problem.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
+                static_cast<long long>(a->problem.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
+                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
+  }
+  return MG_OK;
+}
+
+// The buffers are carved from the scratch at kAlign offsets.
+mg_status check_scratch_aligned(const void* scratch, const char* op) {
+  if (reinterpret_cast<uintptr_t>(scratch) % kAlign != 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: scratch must be %zu-byte aligned", op, kAlign);
+  }
+  return MG_OK;
+}
+
 mg_status check_args(const mg_experts_backward_args* a, const char* op) {
   if (a == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: args must not be NULL", op);
   const mg_grouped_problem& p = a->problem;
@@ -61,19 +82,11 @@ mg_status check_args(const mg_experts_backward_args* a, const char* op) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: the sequence runs bf16 or fp16 operands, got %s", op,
                 dtype_name(p.dtype));
   }
-  if (p.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
-                static_cast<long long>(p.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
-                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
-  }
+  MG_RETURN_IF_ERROR(check_sizes(a, op));
   if (a->row_id_map == nullptr || a->g == nullptr || a->scratch == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: row_id_map, g and scratch must be device pointers", op);
   }
-  if (reinterpret_cast<uintptr_t>(a->scratch) % kAlign != 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: scratch must be %zu-byte aligned", op, kAlign);
-  }
-  return MG_OK;
+  return check_scratch_aligned(a->scratch, op);
 }
 
 // The problem of one GEMM of the sequence: n x k matrices, on a slot.
@@ -103,6 +116,7 @@ extern "C" {
 
 mg_status mg_permute_source_rows(const int64_t* row_id_map, int64_t num_copies, int top_k, int64_t num_rows,
                                  int32_t* source, void* stream) {
+  MG_ENTER_DEVICE_OF(source);
   const char* op = "mg_permute_source_rows";
   if (num_copies < 0 || num_rows < 0 || top_k <= 0) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: num_copies, num_rows must be >= 0 and top_k > 0, got %lld, %lld, %d",
@@ -131,25 +145,19 @@ mg_status mg_experts_forward_scratch_bytes(int64_t rows, int64_t ffn, mg_dtype d
 }
 
 mg_status mg_experts_forward_fc(const mg_experts_forward_args* a, void* stream) {
+  MG_ENTER_DEVICE_OF(a != nullptr ? a->g : nullptr);
   const char* op = "mg_experts_forward_fc";
   if (a == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: args must not be NULL", op);
   const mg_grouped_problem& p = a->problem;
   if (p.dtype != MG_BFLOAT16) {
     return fail(MG_ERROR_UNSUPPORTED, "%s: the gathered fc1 runs bf16 operands, got %s", op, dtype_name(p.dtype));
   }
-  if (p.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
-                static_cast<long long>(p.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
-                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
-  }
+  MG_RETURN_IF_ERROR(check_sizes(a, op));
   if (a->row_id_map == nullptr || a->tokens == nullptr || a->scratch == nullptr || a->g == nullptr ||
       a->y == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: row_id_map, tokens, scratch, g and y must be device pointers", op);
   }
-  if (reinterpret_cast<uintptr_t>(a->scratch) % kAlign != 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: scratch must be %zu-byte aligned", op, kAlign);
-  }
+  MG_RETURN_IF_ERROR(check_scratch_aligned(a->scratch, op));
   auto* index = static_cast<int32_t*>(a->scratch);
   void* h = static_cast<char*>(a->scratch) + aligned(p.total_rows * sizeof(int32_t));
   MG_RETURN_IF_ERROR(
@@ -179,6 +187,7 @@ mg_status mg_experts_backward_scratch_bytes(int phase, int64_t rows, int64_t hid
 }
 
 mg_status mg_experts_backward_fc2(const mg_experts_backward_args* a, void* stream) {
+  MG_ENTER_DEVICE_OF(a != nullptr ? a->g : nullptr);
   MG_RETURN_IF_ERROR(check_args(a, "mg_experts_backward_fc2"));
   if (a->dout == nullptr || a->probs == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "mg_experts_backward_fc2: dout and probs must be device pointers");
@@ -209,6 +218,7 @@ mg_status mg_experts_backward_fc2(const mg_experts_backward_args* a, void* strea
 }
 
 mg_status mg_experts_backward_fc1(const mg_experts_backward_args* a, void* stream) {
+  MG_ENTER_DEVICE_OF(a != nullptr ? a->g : nullptr);
   MG_RETURN_IF_ERROR(check_args(a, "mg_experts_backward_fc1"));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   const mg_grouped_problem& p = a->problem;

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "core/device_guard.h"
+#include "core/kernel_attributes.h"
 #include "core/setup.cuh"
 #include "core/workspace.h"
 #include "fp8/quantize_common.cuh"
@@ -525,25 +527,23 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.partials = partials;
     const bool vector = cols % 16 == 0 && aligned16(x) && aligned16(qt) && (!rowwise || aligned16(q));
     const dim3 grid(static_cast<unsigned>(scale_rows * col_tiles));
-    cudaError_t launched = cudaSuccess;
+    mg_status prepared = MG_OK;
     dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {
       using T = typename decltype(tag)::type;
       dispatch_bool(rowwise, [&](auto with_rowwise) {
         dispatch_bool(need_partials, [&](auto with_dbias) {
           dispatch_bool(vector, [&](auto with_vector) {
-            auto kernel = grouped_1x128_kernel<T, decltype(e4m3)::value, decltype(with_rowwise)::value,
-                                               decltype(with_dbias)::value, decltype(with_vector)::value>;
-            const int smem = kTileRows * kTileCols * static_cast<int>(sizeof(T));
-            if (smem > 48 * 1024) {
-              launched = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-              if (launched != cudaSuccess) return;
-            }
+            constexpr auto kernel = grouped_1x128_kernel<T, decltype(e4m3)::value, decltype(with_rowwise)::value,
+                                                         decltype(with_dbias)::value, decltype(with_vector)::value>;
+            constexpr int smem = kTileRows * kTileCols * static_cast<int>(sizeof(T));
+            prepared = raise_shared_memory_once<kernel>(device, smem);
+            if (prepared != MG_OK) return;
             kernel<<<grid, kThreads, smem, cuda_stream>>>(static_cast<const T*>(x), args);
           });
         });
       });
     });
-    MG_CUDA_RETURN(launched);
+    MG_RETURN_IF_ERROR(prepared);
     MG_CUDA_RETURN(cudaGetLastError());
   }
 
@@ -612,6 +612,7 @@ using namespace moe_grouped::quantize;
 extern "C" mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int64_t rows,
                                                int64_t cols, mg_quantize_config config, void* q,
                                                float* scale_inv, void* stream) {
+  MG_ENTER_DEVICE_OF(q);
   return quantize_rowwise(x, x_dtype, rows, cols, nullptr, 0, config, q, scale_inv, stream);
 }
 
@@ -621,6 +622,7 @@ extern "C" mg_status mg_quantize_gathered_1x128(const void* x, mg_dtype x_dtype,
                                                 mg_quantize_config config, void* q, float* scale_inv, void* qt,
                                                 float* scale_inv_t, int device, int workspace_slot,
                                                 void* stream) {
+  MG_ENTER_DEVICE(device);
   if (index == nullptr && rows > 0) return fail(MG_ERROR_INVALID_ARGUMENT, "index must not be NULL");
   if (source_rows < 0) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "source_rows must be >= 0, got %lld", static_cast<long long>(source_rows));
@@ -640,6 +642,7 @@ extern "C" mg_status mg_quantize_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* qt, float* scale_inv_t,
     float* dbias, int device, int workspace_slot, void* stream) {
+  MG_ENTER_DEVICE(device);
   return quantize_grouped(x, x_dtype, rows, cols, m_splits, splits_dtype, num_groups, config, nullptr, nullptr,
                           qt, scale_inv_t, dbias, device, workspace_slot, stream);
 }
@@ -648,6 +651,7 @@ extern "C" mg_status mg_quantize_rowwise_columnwise_grouped_1x128(
     const void* x, mg_dtype x_dtype, int64_t rows, int64_t cols, const void* m_splits,
     mg_dtype splits_dtype, int num_groups, mg_quantize_config config, void* q, float* scale_inv,
     void* qt, float* scale_inv_t, float* dbias, int device, int workspace_slot, void* stream) {
+  MG_ENTER_DEVICE(device);
   if (q == nullptr && rows > 0 && cols > 0) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "q must not be NULL (use mg_quantize_columnwise_grouped_1x128 "
                                            "for the column-wise copy alone)");

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "activation/swiglu_backward_math.cuh"
+#include "core/device_guard.h"
 #include "fp8/quantize_common.cuh"
 
 namespace moe_grouped::quantize {
@@ -52,6 +53,7 @@ using namespace moe_grouped::quantize;
 extern "C" mg_status mg_swiglu_quantize_rowwise_1x128(const void* g, mg_dtype dtype, int64_t rows, int64_t ffn,
                                                       mg_quantize_config config, void* q, float* scale_inv,
                                                       void* stream) {
+  MG_ENTER_DEVICE_OF(q);
   float fp8_max = 0.f;
   MG_RETURN_IF_ERROR(check_float_dtype("g", dtype));
   MG_RETURN_IF_ERROR(check_fp8_config(config, &fp8_max));

@@ -2,6 +2,7 @@
 // the dgrad GEMM reads (the same fp8 bytes, so q and qt agree exactly).
 #include <cstdint>
 
+#include "core/device_guard.h"
 #include "fp8/quantize_common.cuh"
 
 namespace moe_grouped::quantize {
@@ -139,6 +140,7 @@ using namespace moe_grouped::quantize;
 extern "C" mg_status mg_quantize_weight_128x128(mg_group_operand w, mg_dtype w_dtype, int num_groups, int64_t n,
                                                 int64_t k, mg_quantize_config config, void* q, float* scale_inv,
                                                 void* qt, float* scale_inv_t, void* stream) {
+  MG_ENTER_DEVICE_OF(q, qt);
   MG_RETURN_IF_ERROR(check_float_dtype("w", w_dtype));
   float fp8_max = 0.f;
   MG_RETURN_IF_ERROR(check_fp8_config(config, &fp8_max));

@@ -19,7 +19,6 @@ namespace {
 using gemm::check_aligned;
 using gemm::check_operand;
 using gemm::check_problem;
-using gemm::DeviceGuard;
 using gemm::kind_name;
 
 const Fp8KernelList& all_kernels(int index) {

@@ -6,33 +6,13 @@
 
 #include <cstddef>
 
+#include "core/device_guard.h"
 #include "core/error.h"
 #include "moe_grouped/moe_grouped.h"
 
 namespace moe_grouped::gemm {
 
 constexpr int kMaxDevices = 64;
-
-// Sets the current device for the call's duration (kernels go to the
-// device of `stream`, which must be current when they are launched).
-class DeviceGuard {
- public:
-  mg_status enter(int device) {
-    MG_CUDA_RETURN(cudaGetDevice(&previous_));
-    if (previous_ != device) {
-      MG_CUDA_RETURN(cudaSetDevice(device));
-      restore_ = true;
-    }
-    return MG_OK;
-  }
-  ~DeviceGuard() {
-    if (restore_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  bool restore_ = false;
-};
 
 const char* kind_name(mg_gemm_kind kind);
 // MG_ERROR_INVALID_ARGUMENT unless kind is fprop, dgrad or wgrad.

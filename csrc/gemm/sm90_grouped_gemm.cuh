@@ -22,10 +22,10 @@
 #include <cutlass/gemm/kernel/gemm_universal.hpp>
 #include <cutlass/util/packed_stride.hpp>
 
-#include <mutex>
 #include <type_traits>
 
 #include "core/error.h"
+#include "core/kernel_attributes.h"
 #include "core/setup.cuh"
 #include "core/workspace.h"
 #include "gemm/grouped_gemm.h"
@@ -335,29 +335,11 @@ __global__ void __launch_bounds__(256)
 
 // ---- launch --------------------------------------------------------------
 
-constexpr int kMaxDevices = 64;
-
-// Raises the kernel's dynamic shared memory limit once per device. The
-// attribute call is legal during capture, but doing it once keeps captures
-// to kernel launches only.
+// The GEMM kernel's shared memory limit, raised once per device.
 template <class G>
 mg_status prepare_kernel(int device) {
-  static std::once_flag flags[kMaxDevices];
-  static cudaError_t results[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "device %d is out of range [0, %d)", device, kMaxDevices);
-  }
-  std::call_once(flags[device], [&] {
-    int smem = static_cast<int>(G::Kernel::SharedStorageSize);
-    results[device] = smem >= (48 << 10)
-                          ? cudaFuncSetAttribute(cutlass::device_kernel<typename G::Kernel>,
-                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem)
-                          : cudaSuccess;
-  });
-  if (results[device] != cudaSuccess) {
-    return cuda_fail(results[device], "cudaFuncSetAttribute for the grouped GEMM's shared memory");
-  }
-  return MG_OK;
+  return raise_shared_memory_once<cutlass::device_kernel<typename G::Kernel>>(
+      device, static_cast<int>(G::Kernel::SharedStorageSize));
 }
 
 // Launches the GEMM kernel as CUTLASS's GemmUniversalAdapter::run does

@@ -13,8 +13,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <mutex>
-
 // cute/tensor.hpp first: the SM90 atoms' headers assume what it declares.
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -28,6 +26,7 @@
 
 #include "activation/swiglu_backward_math.cuh"
 #include "core/error.h"
+#include "core/kernel_attributes.h"
 #include "core/setup.cuh"
 #include "gemm/gather_copy.cuh"
 #include "gemm/grouped_gemm.h"
@@ -503,21 +502,11 @@ __global__ void __launch_bounds__(kThreads, 1) pingpong_fprop_kernel(CUTE_GRID_C
 template <bool kSwiglu, typename SplitT>
 mg_status launch(const GroupedGemmCall& call, cudaStream_t stream) {
   auto params = make_params<kSwiglu>(call);
-  auto kernel = pingpong_fprop_kernel<kSwiglu, SplitT, decltype(params)>;
+  constexpr auto kernel = pingpong_fprop_kernel<kSwiglu, SplitT, decltype(params)>;
   constexpr int kSmem = sizeof(SharedStorage);
-  // The shared memory limit, raised once per device and kernel (per call it cost a runtime call per GEMM).
-  constexpr int kMaxDevices = 64;
-  static std::once_flag raised[kMaxDevices];
-  static cudaError_t results[kMaxDevices];
   int device = 0;
   MG_CUDA_RETURN(cudaGetDevice(&device));
-  if (device < 0 || device >= kMaxDevices) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "device %d is out of range [0, %d)", device, kMaxDevices);
-  }
-  std::call_once(raised[device], [&] {
-    results[device] = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  });
-  MG_CUDA_RETURN(results[device]);
+  MG_RETURN_IF_ERROR(raise_shared_memory_once<kernel>(device, kSmem));
   kernel<<<call.sm_count, kThreads, kSmem, stream>>>(params);
   MG_CUDA_RETURN(cudaGetLastError());
   return MG_OK;

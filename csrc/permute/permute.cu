@@ -23,6 +23,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "core/device_guard.h"
 #include "core/elementwise.cuh"
 #include "core/error.h"
 #include "core/workspace.h"
@@ -550,6 +551,7 @@ using namespace moe_grouped;
 extern "C" mg_status mg_permute_index(const void* experts, mg_dtype experts_dtype, int64_t num_tokens,
                                       int top_k, int num_experts, int64_t* row_id_map, int64_t* m_splits,
                                       int device, int workspace_slot, void* stream) {
+  MG_ENTER_DEVICE(device);
   MG_RETURN_IF_ERROR(check_index_arguments(experts_dtype, num_tokens, top_k, num_experts));
   MG_RETURN_IF_ERROR(permute_index(experts, experts_dtype, num_tokens, top_k, num_experts, nullptr, kNoCapacity,
                                    0, row_id_map, m_splits, device, workspace_slot,
@@ -561,6 +563,7 @@ extern "C" mg_status mg_permute_index_capacity(const void* experts, mg_dtype exp
                                                int top_k, int num_experts, const float* probs, int64_t capacity,
                                                int pad_to_capacity, int64_t* row_id_map, int64_t* m_splits,
                                                int device, int workspace_slot, void* stream) {
+  MG_ENTER_DEVICE(device);
   MG_RETURN_IF_ERROR(check_index_arguments(experts_dtype, num_tokens, top_k, num_experts));
   if (capacity < 0 || capacity >= kNoCapacity) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "capacity must be in [0, %d), got %lld", kNoCapacity,
@@ -579,6 +582,7 @@ extern "C" mg_status mg_permute_index_capacity(const void* experts, mg_dtype exp
 
 extern "C" mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
                                      int top_k, const int64_t* row_id_map, void* permuted, void* stream) {
+  MG_ENTER_DEVICE_OF(permuted);
   MG_RETURN_IF_ERROR(check_float_dtype("x", dtype));
   MG_RETURN_IF_ERROR(check_rows(num_tokens, hidden, top_k));
   const int64_t n = num_tokens * top_k;
@@ -609,6 +613,7 @@ extern "C" mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_
 extern "C" mg_status mg_unpermute_rows(const void* y, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
                                        int top_k, const int64_t* row_id_map, const void* weights,
                                        mg_dtype weights_dtype, void* out, void* stream) {
+  MG_ENTER_DEVICE_OF(out);
   MG_RETURN_IF_ERROR(check_float_dtype("y", dtype));
   MG_RETURN_IF_ERROR(check_rows(num_tokens, hidden, top_k));
   if (weights != nullptr) MG_RETURN_IF_ERROR(check_weights_dtype(weights_dtype, dtype));
@@ -648,6 +653,7 @@ extern "C" mg_status mg_unpermute_rows_backward(const void* dout, const void* y,
                                                 const int64_t* row_id_map, const void* weights,
                                                 mg_dtype weights_dtype, void* dy, void* dweights,
                                                 void* stream) {
+  MG_ENTER_DEVICE_OF(dy);
   MG_RETURN_IF_ERROR(check_float_dtype("dout", dtype));
   MG_RETURN_IF_ERROR(check_rows(num_tokens, hidden, top_k));
   MG_RETURN_IF_ERROR(check_weights_dtype(weights_dtype, dtype));

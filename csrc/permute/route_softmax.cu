@@ -14,6 +14,7 @@
 
 #include <cuda_bf16.h>
 
+#include "core/device_guard.h"
 #include "core/error.h"
 #include "permute/route_select.cuh"
 
@@ -277,6 +278,7 @@ extern "C" mg_status mg_route_softmax_partial_rows(int64_t num_tokens, int64_t* 
 extern "C" mg_status mg_route_softmax(const float* logits, int64_t num_tokens, int num_experts, int top_k,
                                       int weights_mode, float scaling, int64_t* experts, int64_t* counts,
                                       float* weights, float* lse, float* partials, float* losses, void* stream) {
+  MG_ENTER_DEVICE_OF(weights);
   MG_RETURN_IF_ERROR(route::check_choice("mg_route_softmax", num_tokens, num_experts, top_k));
   MG_RETURN_IF_ERROR(check_mode("mg_route_softmax", weights_mode));
   if (counts == nullptr || losses == nullptr ||
@@ -311,6 +313,7 @@ extern "C" mg_status mg_route_softmax_backward(const float* logits, const float*
                                                const float* grad_weights, const float* grad_losses,
                                                const float* grad_logits, mg_dtype out_dtype, void* out,
                                                void* stream) {
+  MG_ENTER_DEVICE_OF(out);
   MG_RETURN_IF_ERROR(route::check_choice("mg_route_softmax_backward", num_tokens, num_experts, top_k));
   MG_RETURN_IF_ERROR(check_mode("mg_route_softmax_backward", weights_mode));
   if (out_dtype != MG_FLOAT32 && out_dtype != MG_BFLOAT16) {

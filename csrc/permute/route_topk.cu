@@ -7,6 +7,7 @@
 // ones (docs/routing.md).
 #include <cstdint>
 
+#include "core/device_guard.h"
 #include "core/error.h"
 #include "permute/route_select.cuh"
 
@@ -56,6 +57,7 @@ using namespace moe_grouped;
 
 extern "C" mg_status mg_route_topk(const float* scores, int64_t num_tokens, int num_experts, int top_k,
                                    int64_t* experts, int64_t* counts, void* stream) {
+  MG_ENTER_DEVICE_OF(experts);
   MG_RETURN_IF_ERROR(route::check_choice("mg_route_topk", num_tokens, num_experts, top_k));
   if (counts == nullptr || (num_tokens > 0 && (scores == nullptr || experts == nullptr))) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "scores, experts and counts must be device pointers, got NULL");

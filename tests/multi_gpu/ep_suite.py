@@ -65,10 +65,10 @@ def backend() -> str:
     return "cuda" if moe_grouped.backends.cuda_unavailable_reason(torch.device("cuda")) is None else "torch"
 
 
-def make_pair(experts: int, options: dict, **ep_options):
-    """One MoELayer holding all experts (same seed on every rank) and two EP layers loaded from it."""
+def make_pair(experts: int, options: dict, dtype: torch.dtype = DTYPE, **ep_options):
+    """One MoELayer holding all experts (same seed on every rank) and an EP layer per transport loaded from it."""
     torch.manual_seed(0)
-    common = dict(dtype=DTYPE, device="cuda", backend=backend(), **options)
+    common = dict(dtype=dtype, device="cuda", backend=backend(), **options)
     ref = MoELayer(HIDDEN, FFN, experts, TOP_K, **common)  # the experts path the EP layers take
     layers = {
         name: ExpertParallelMoELayer(HIDDEN, FFN, experts, TOP_K, transport=name, max_tokens=TOKENS, **common,
@@ -98,10 +98,10 @@ def run(layer, x, dout, recipe=None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return out.detach(), x.grad, gradients(layer)
 
 
-def inputs(world: int, tokens: int = TOKENS, seed: int = 1):
+def inputs(world: int, tokens: int = TOKENS, seed: int = 1, dtype: torch.dtype = DTYPE):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    xs = [torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(DTYPE) for _ in range(world)]
-    douts = [torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(DTYPE) for _ in range(world)]
+    xs = [torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(dtype) for _ in range(world)]
+    douts = [torch.randn(tokens, HIDDEN, device="cuda", generator=gen).to(dtype) for _ in range(world)]
     return xs, douts
 
 
@@ -114,11 +114,11 @@ def reference_expert_grad(ref_grads: dict, name: str, first: int, ne: int) -> to
     return ref_grads[f"{stem}{first + int(name[len(stem):])}"]
 
 
-def check_transports_and_reference(experts: int, options: dict) -> None:
+def check_transports_and_reference(experts: int, options: dict, dtype: torch.dtype = DTYPE) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    case = f"E={experts} {options}"
-    ref, layers = make_pair(experts, options)
-    xs, douts = inputs(world)
+    case = f"E={experts} {options}" + ("" if dtype == DTYPE else f" {dtype}")
+    ref, layers = make_pair(experts, options, dtype)
+    xs, douts = inputs(world, dtype=dtype)
     results = {}
     for name, layer in layers.items():
         for _ in range(2):  # the second step runs on the buffers the first one set up
@@ -336,6 +336,9 @@ def main() -> None:
         for options in option_sets:
             check_transports_and_reference(experts, options)
     check_transports_and_reference(64 * world, {})  # 64 a rank, as Qwen3-30B on two GPUs
+    # Another dtype in the same process: its combine kernel is another of the same signature, which
+    # must get its own shared-memory limit.
+    check_transports_and_reference(4 * world, {}, torch.float16)
     check_fp8(4 * world)
     for experts in (4 * world, 20 * world):
         check_replays(experts, args.replays, dict(single_grouped_weight=True))
