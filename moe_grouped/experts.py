@@ -128,6 +128,12 @@ def _fc1(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m
     return ops.grouped_fprop(xp, w1, m_splits, None, dtype, gemm, False)
 
 
+def fc1_swiglu_in_one_op(plan: Plan, tokens: torch.Tensor, w1: list) -> bool:
+    """Whether :func:`_fc1_swiglu` runs fc1 and SwiGLU as one op (see there)."""
+    return (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
+            and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1))
+
+
 def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Tensor], m_splits: torch.Tensor,
                 w1: list) -> tuple[torch.Tensor, torch.Tensor]:
     """fc1's output g [R, 2I] and h = swiglu(g) [R, I].
@@ -141,8 +147,7 @@ def _fc1_swiglu(plan: Plan, tokens: torch.Tensor, row_id_map: Optional[torch.Ten
     (docs/experts-path.md#fc1-and-swiglu-in-one-kernel). Elsewhere
     :func:`_fc1`, then :func:`moe_grouped.activation.swiglu`.
     """
-    if (plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
-            and cuda_backend.fuses_fc1_swiglu(tokens, plan.routed, w1)):
+    if fc1_swiglu_in_one_op(plan, tokens, w1):
         index = source_rows(row_id_map, plan.top_k, plan.num_rows) if plan.routed else None
         return ops.grouped_fprop_swiglu(tokens, index, w1, m_splits)
     g = _fc1(plan, tokens, row_id_map, m_splits, w1)
@@ -273,7 +278,8 @@ class FusedExpertsFunction(torch.autograd.Function):
     def _forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
                  weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-        if experts_sequence.forward_applies(plan, stages, STAGES, tokens, w1):
+        sequenced = stages is STAGES and fc1_swiglu_in_one_op(plan, tokens, w1)
+        if sequenced and experts_sequence.forward_applies(plan, tokens):
             # The same kernels as the two stages, from one core call (bitwise the same g and y).
             g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
         else:
@@ -302,15 +308,18 @@ class FusedExpertsFunction(torch.autograd.Function):
         sinks: Optional[Sinks] = ctx.sinks
         stages = ctx.stages
         w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
-        if experts_sequence.applies(plan, sinks, stages, STAGES, tokens, probs, g):
+        needs = ctx.needs_input_grad
+        first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed
+        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
+        fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
+        if stages is STAGES and experts_sequence.applies(plan, sinks, tokens, probs, g):
             # The same kernels as the stages below, from two core calls (bitwise the same gradients).
             dx, dprobs, w1_grads, w2_grads = experts_sequence.backward(
-                plan, ctx.needs_input_grad, dout, tokens, probs, row_id_map, m_splits, g, w1, w2
+                plan, (needs[0], needs[1], fc1_needed, fc2_needed), dout, tokens, probs, row_id_map, m_splits,
+                g, w1, w2,
             )
             return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)
         acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
-        needs = ctx.needs_input_grad
-        first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed
         w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
         # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
         # wh = w * h is fc2's wgrad operand.
@@ -318,7 +327,6 @@ class FusedExpertsFunction(torch.autograd.Function):
         dy_u, wh, dprob = stages.dgrad_swiglu_(plan, dout, row_id_map, m_splits, g, w, w2)
         dg = g
         del g
-        fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
         wh = stages.wgrad_input(plan, wh, m_splits) if fc2_needed else None
         w2_grads = _weight_grads(stages, plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits,
                                  rows, w2)
@@ -326,7 +334,6 @@ class FusedExpertsFunction(torch.autograd.Function):
         dprobs = None
         if plan.routed and needs[1]:
             dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
-        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
         dx = None
         if needs[0]:
             dxp = stages.fc1_dgrad(plan, dg, m_splits, w1)

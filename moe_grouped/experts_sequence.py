@@ -23,6 +23,7 @@ import torch
 
 from . import _core, _ops
 from .gemm import cuda_backend
+from .grouped_linear import grads_as_params
 
 SEQUENCE_DTYPES = (torch.bfloat16, torch.float16)
 ENV = "MOE_GROUPED_EXPERTS_SEQUENCE"
@@ -31,16 +32,15 @@ ENV = "MOE_GROUPED_EXPERTS_SEQUENCE"
 enabled = os.environ.get(ENV, "1") != "0"
 
 
-def applies(plan, sinks, stages, plain_stages, tokens: torch.Tensor, probs: torch.Tensor, g: torch.Tensor) -> bool:
-    """Whether :func:`backward` computes this backward: plain eager tensors (the op's
-    :class:`~moe_grouped._ops.DirectCalls` region is on), the layer-dtype stages (``plain_stages``),
-    routed, no sinks, no deferred or fused-accumulation weight gradients, all on the ``cuda`` backends,
+def applies(plan, sinks, tokens: torch.Tensor, probs: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether :func:`backward` computes the backward of the layer-dtype stages (the caller checks that
+    those are the op's): plain eager tensors (the op's :class:`~moe_grouped._ops.DirectCalls` region is
+    on), routed, no sinks, no deferred or fused-accumulation weight gradients, all on the ``cuda`` backends,
     16-bit operands, rows and tokens, and a core with the sequences."""
     fc1, fc2 = plan.fc1, plan.fc2
     return (
         enabled
         and _ops.direct_region()
-        and stages is plain_stages
         and plan.routed
         and sinks is None
         and plan.gemm_backend == "cuda" and plan.permute_backend == "cuda" and plan.activation_backend == "cuda"
@@ -54,18 +54,15 @@ def applies(plan, sinks, stages, plain_stages, tokens: torch.Tensor, probs: torc
     )
 
 
-def forward_applies(plan, stages, plain_stages, tokens: torch.Tensor, w1: list) -> bool:
-    """Whether :func:`forward_fc` computes fc1 and fc2: plain eager tensors, the layer-dtype stages,
-    routed onto rows, fc1 gathered with SwiGLU in bf16 on the ``cuda`` backends (as the stages would)."""
+def forward_applies(plan, tokens: torch.Tensor) -> bool:
+    """Whether :func:`forward_fc` computes fc1 and fc2 of the layer-dtype stages where those run fc1 and
+    SwiGLU as one op (the caller checks both): plain eager tensors, routed onto rows."""
     return (
         enabled
         and _ops.direct_region()
-        and stages is plain_stages
         and plan.routed
-        and plan.gemm_backend == "cuda" and plan.activation_backend == "cuda"
         and plan.num_rows > 0 and tokens.shape[0] > 0
         and _core.has(_core.CAP_EXPERTS_SEQUENCE)
-        and cuda_backend.fuses_fc1_swiglu(tokens, True, w1)
     )
 
 
@@ -116,11 +113,10 @@ def _ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
 
-def backward(plan, needs: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list, w2: list) -> tuple:
-    """(dx, dprobs, w1 grads, w2 grads) as the Python stages give them (None where not needed); g becomes dg."""
-    first_weight = 9  # the op's inputs before its weights (see FusedExpertsFunction)
-    fc1_needed = any(needs[first_weight : first_weight + len(w1)])
-    fc2_needed = any(needs[first_weight + len(w1) :])
+def backward(plan, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list, w2: list) -> tuple:
+    """(dx, dprobs, w1 grads, w2 grads) as the Python stages give them, each only where ``needed`` (four
+    bools, in that order) says; g becomes dg."""
+    dx_needed, dprobs_needed, fc1_needed, fc2_needed = needed
     dtype, device = g.dtype, g.device
     rows, num_tokens, top_k = g.shape[0], tokens.shape[0], probs.shape[1]
     hidden, ffn = tokens.shape[1], g.shape[1] // 2
@@ -140,14 +136,14 @@ def backward(plan, needs: tuple, dout, tokens, probs, row_id_map, m_splits, g, w
     )
     scratch = torch.empty(_scratch_bytes(2, rows, hidden, ffn, dtype_code), dtype=torch.uint8, device=device)
     dw2 = torch.empty(num_experts, hidden, ffn, dtype=dtype, device=device) if fc2_needed else None
-    dprobs = torch.empty(num_tokens * top_k, dtype=torch.float32, device=device) if needs[1] else None
+    dprobs = torch.empty(num_tokens * top_k, dtype=torch.float32, device=device) if dprobs_needed else None
     args.scratch, args.dw2, args.dprobs = scratch.data_ptr(), _ptr(dw2), _ptr(dprobs)
     _core.check(lib.mg_experts_backward_fc2(ctypes.byref(args), stream))
     # g is dg now: a second backward through the graph that saved it must fail (as the Python stages' op does).
     torch.autograd.graph.increment_version([g])
     del scratch
     scratch = torch.empty(_scratch_bytes(1, rows, hidden, ffn, dtype_code), dtype=torch.uint8, device=device)
-    dx = torch.empty(num_tokens, hidden, dtype=dtype, device=device) if needs[0] else None
+    dx = torch.empty(num_tokens, hidden, dtype=dtype, device=device) if dx_needed else None
     dw1 = torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype, device=device) if fc1_needed else None
     args.scratch, args.dx, args.dw1 = scratch.data_ptr(), _ptr(dx), _ptr(dw1)
     _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
@@ -160,7 +156,4 @@ def backward(plan, needs: tuple, dout, tokens, probs, row_id_map, m_splits, g, w
 
 
 def _as_params(grads: Optional[torch.Tensor], weights: list) -> list:
-    """One [E, N, K] gradient as the parameters hold it: itself for one grouped weight, else a view per expert."""
-    if grads is None:
-        return [None] * len(weights)
-    return [grads] if weights[0].dim() == 3 else list(grads.unbind(0))
+    return [None] * len(weights) if grads is None else grads_as_params(grads, weights)

@@ -142,7 +142,13 @@ def _grouped_wgrad_into_fresh(dy, x, m_splits, weights, backend: str) -> list[to
     w = weights[0]
     grads = torch.empty(len(weights) if w.dim() == 2 else w.shape[0], *w.shape[-2:], dtype=w.dtype, device=w.device)
     ops.grouped_wgrad_(dy, x, m_splits, [grads], False, backend)
-    return [grads] if w.dim() == 3 else list(grads.unbind(0))
+    return grads_as_params(grads, weights)
+
+
+def grads_as_params(grads: torch.Tensor, weights) -> list[torch.Tensor]:
+    """One [E, N, K] gradient as the weight parameters hold it: itself for one grouped weight, else a view
+    per expert."""
+    return [grads] if weights[0].dim() == 3 else list(grads.unbind(0))
 
 
 def _param_grads(spec: _Spec, dy, x, m_splits, weights, biases, main_grads) -> list[Optional[torch.Tensor]]:

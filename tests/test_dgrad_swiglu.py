@@ -141,7 +141,7 @@ def test_gpu_dgrad_swiglu_entry_point_refuses_bad_arguments():
         problem = cuda_backend._problem(dy, m_splits, experts, hidden, ffn, cuda_backend.SLOT_FPROP_DGRAD,
                                         dtype=dtype)
         _core.check(lib.mg_grouped_dgrad_swiglu(
-            ctypes.byref(problem), dy.data_ptr(), cuda_backend._operand(weights),
+            ctypes.byref(problem), dy.data_ptr(), cuda_backend.group_operand(weights),
             g.data_ptr() if g_ptr is None else g_ptr, None, wh.data_ptr(), partials.data_ptr(), cols,
             _core.stream_handle(dy.device)))
 

@@ -161,10 +161,10 @@ def _raw_fprop(x, w, m_splits, out, h=None, kernel="auto", monkeypatch=None):
     monkeypatch.setenv(FPROP_ENV, kernel)
     stream = _core.stream_handle(x.device)
     if h is None:
-        status = lib.mg_grouped_fprop(ctypes.byref(problem), x.data_ptr(), cuda_backend._operand([w]), None,
+        status = lib.mg_grouped_fprop(ctypes.byref(problem), x.data_ptr(), cuda_backend.group_operand([w]), None,
                                       out.data_ptr(), _core.dtype_code(torch.bfloat16), stream)
     else:
-        status = lib.mg_grouped_fprop_swiglu(ctypes.byref(problem), x.data_ptr(), None, cuda_backend._operand([w]),
+        status = lib.mg_grouped_fprop_swiglu(ctypes.byref(problem), x.data_ptr(), None, cuda_backend.group_operand([w]),
                                              out.data_ptr(), h.data_ptr(), stream)
     _core.check(status)
     torch.cuda.synchronize()
@@ -215,7 +215,7 @@ def test_cuda_fprop_swiglu_entry_point_refuses_bad_input(monkeypatch):
                                         dtype=dtype)
         rows_arg = ctypes.byref(gather) if gather is not None else None
         return lib.mg_grouped_fprop_swiglu(ctypes.byref(problem), source.data_ptr(), rows_arg,
-                                           cuda_backend._operand(w), out.data_ptr(), h.data_ptr(), stream)
+                                           cuda_backend.group_operand(w), out.data_ptr(), h.data_ptr(), stream)
 
     good = _core.RowGather(index=index.data_ptr(), source_rows=x.shape[0])
     _core.check(call(gather=good))

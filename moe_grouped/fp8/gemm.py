@@ -289,7 +289,7 @@ def _wgrad_op(
     _core.check(
         lib.mg_grouped_fp8_wgrad(
             ctypes.byref(problem), _core_operand(dyt), _core_operand(xt),
-            cuda_backend._operand(out), _core.dtype_code(out[0].dtype), int(bool(accumulate)),
+            cuda_backend.group_operand(out), _core.dtype_code(out[0].dtype), int(bool(accumulate)),
             _core.stream_handle(out[0].device),
         )
     )

@@ -364,7 +364,7 @@ def _quantize_weights_op(
     num_groups, n, k = data.shape
     _core.check(
         function(
-            cuda_backend._operand(weights), _core.dtype_code(weights[0].dtype), num_groups, n, k,
+            cuda_backend.group_operand(weights), _core.dtype_code(weights[0].dtype), num_groups, n, k,
             _config(fp8_dtype, pow2_scales, amax_epsilon), data.data_ptr(), scale_inv.data_ptr(),
             t_data.data_ptr() if transpose else None, t_scale_inv.data_ptr() if transpose else None,
             _core.stream_handle(data.device),

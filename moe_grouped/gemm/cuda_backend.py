@@ -95,8 +95,9 @@ def clear_pointer_cache() -> None:
     _POINTER_ARRAYS.clear()
 
 
-def _operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
-    """``mg_group_operand`` for ``[W]`` (W of shape [E, N, K]) or E tensors [N, K]."""
+def group_operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
+    """``mg_group_operand`` for ``[W]`` (W of shape [E, N, K]) or E tensors [N, K] (contiguous; the address
+    arrays of the latter cached by address)."""
     if is_grouped_layout(tensors):
         w = tensors[0]
         _require_contiguous("the grouped weight", w)
@@ -106,11 +107,6 @@ def _operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
             _require_contiguous(f"expert {e}'s matrix", w)
     # Alignment is checked when an address array is built (the cache is keyed by the addresses).
     return _core.GroupOperand(base=None, group_stride=0, ptrs=_pointer_array(tensors).data_ptr())
-
-
-def group_operand(tensors: Sequence[torch.Tensor]) -> _core.GroupOperand:
-    """``mg_group_operand`` for one [E, N, K] weight or E [N, K] ones (contiguous; addresses cached by address)."""
-    return _operand(tensors)
 
 
 def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
@@ -192,7 +188,7 @@ def fprop(
         lib.mg_grouped_fprop(
             ctypes.byref(problem),
             x.data_ptr(),
-            _operand(weights),
+            group_operand(weights),
             bias.data_ptr() if bias is not None else None,
             y.data_ptr(),
             _core.dtype_code(out_dtype),
@@ -215,7 +211,7 @@ def dgrad(
         lib.mg_grouped_dgrad(
             ctypes.byref(problem),
             dy.data_ptr(),
-            _operand(weights),
+            group_operand(weights),
             dx.data_ptr(),
             _core.dtype_code(out_dtype),
             _core.stream_handle(dy.device),
@@ -243,7 +239,7 @@ def wgrad(
             ctypes.byref(problem),
             dy.data_ptr(),
             x.data_ptr(),
-            _operand(out),
+            group_operand(out),
             _core.dtype_code(out_dtype),
             1 if accumulate else 0,
             _core.stream_handle(dy.device),
@@ -302,7 +298,7 @@ def dgrad_swiglu(
         lib.mg_grouped_dgrad_swiglu(
             ctypes.byref(problem),
             dy.data_ptr(),
-            _operand(weights),
+            group_operand(weights),
             g.data_ptr(),
             routing_weights.data_ptr() if routing_weights is not None else None,
             wh.data_ptr(),
@@ -352,7 +348,7 @@ def _gathered(kind: str, source, index, weights, m_splits, out_dtype) -> torch.T
     out = torch.empty(index.shape[0], n if kind == "fprop" else k, dtype=out_dtype, device=source.device)
     problem = _problem(out, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
     entry = lib.mg_grouped_fprop_gathered if kind == "fprop" else lib.mg_grouped_dgrad_gathered
-    _core.check(entry(ctypes.byref(problem), source.data_ptr(), rows, _operand(weights), out.data_ptr(),
+    _core.check(entry(ctypes.byref(problem), source.data_ptr(), rows, group_operand(weights), out.data_ptr(),
                       _core.dtype_code(out_dtype), _core.stream_handle(source.device)))
     return out
 
@@ -402,7 +398,7 @@ def wgrad_gathered(
             ctypes.byref(dy_rows) if dy_rows is not None else None,
             x.data_ptr(),
             ctypes.byref(x_rows) if x_rows is not None else None,
-            _operand(out),
+            group_operand(out),
             _core.dtype_code(out_dtype),
             1 if accumulate else 0,
             _core.stream_handle(dy.device),
@@ -453,7 +449,7 @@ def fprop_swiglu(
             ctypes.byref(problem),
             source.data_ptr(),
             ctypes.byref(rows) if rows is not None else None,
-            _operand(weights),
+            group_operand(weights),
             g.data_ptr(),
             h.data_ptr(),
             _core.stream_handle(source.device),
