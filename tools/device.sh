@@ -14,6 +14,7 @@
 #   pytest     python -m pytest $PYTEST_ARGS (a few files or tests on one GPU)
 #   moe-bench  benchmarks/moe_layer.py $MOE_BENCH_ARGS (default: --shapes experts_path)
 #   fp8-ceiling  benchmarks/kernels/fp8_ceiling.py --rounds 4 (FP8 GEMMs against dense FP8)
+#   fp8-accuracy  benchmarks/fp8_accuracy.py (FP8 layer's outputs and gradients against bf16 and fp32)
 #   layer-profile  tools/layer_profile.py $LAYER_PROFILE_ARGS (kernel times of one MoELayer step)
 #   probe      tools/host_probe.py (PROBE_ARGS: its options)
 #   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step)
@@ -112,6 +113,9 @@ for phase in "$@"; do
     fp8-ceiling)
       TAIL=8 run fp8_ceiling python3 benchmarks/kernels/fp8_ceiling.py --rounds 4
       cp benchmarks/results/fp8_ceiling-*.json "$OUT/" 2>/dev/null ;;
+    fp8-accuracy)
+      TAIL=60 run fp8_accuracy python3 benchmarks/fp8_accuracy.py
+      cp benchmarks/results/fp8_accuracy-*.json "$OUT/" 2>/dev/null ;;
     layer-profile)
       TAIL=120 run layer_profile python3 tools/layer_profile.py ${LAYER_PROFILE_ARGS:-} ;;
     probe)
