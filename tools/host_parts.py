@@ -1,8 +1,8 @@
 """Usage: python tools/host_parts.py [--calls N] [--trace FILE]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
-Host microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
+Host and wall microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
 cuda, fused, one grouped weight), each issued ``--calls`` times back to back from an idle GPU
-(median of 5 rounds), beside the floors this host sets: a trivial ctypes call into the core, an
+(median of 5 rounds; wall above host: the GPU set the pace), beside the floors this host sets: a trivial ctypes call into the core, an
 empty tensor, a one-kernel torch op, an autograd Function that does nothing, forward and backward.
 The parts do not add up exactly to the step (they run out of context), but they show where
 the step's host time is. ``--trace FILE``: also a Chrome trace (torch.profiler, CPU with the Python
@@ -12,22 +12,27 @@ functions' stacks) of three steps.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
-from host_probe import issue_ms  # tools/ is on the path when this runs as a script
+from host_probe import per_call_us  # tools/ is on the path when this runs as a script
 
 import moe_grouped
 from moe_grouped import _core
 from moe_grouped.experts import FusedExpertsFunction, STAGES
+from moe_grouped.routing import SOFTMAX_CHOSEN
 from moe_grouped.permute import permute_index, source_rows
+from moe_grouped._ops import ops
+from moe_grouped.routing.torch_backend import gate_grads_from_halves
 
 T, H, F, E, K = 256, 1024, 512, 64, 8
 
 
-def host_us(fn, calls: int) -> float:
-    """Median host microseconds per call of ``calls`` calls issued back to back (5 rounds)."""
-    fn()
-    return issue_ms(fn, calls, 5) * 1e3
+def host_and_wall_us(fn, calls: int) -> tuple[float, float]:
+    """Median (host, wall) microseconds per call of ``calls`` calls issued back to back (5 rounds): wall
+    above host means the GPU, not the host, set the pace."""
+    rounds = [per_call_us(fn, calls) for _ in range(5)]
+    return statistics.median(r[0] for r in rounds), statistics.median(r[1] for r in rounds)
 
 
 class _Nothing(torch.autograd.Function):
@@ -38,6 +43,20 @@ class _Nothing(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return (grad,) + (None,) * 3
+
+
+class _Runs(torch.autograd.Function):
+    """Identity whose backward also runs ``work()``: the cost of that work on autograd's device thread."""
+
+    @staticmethod
+    def forward(ctx, x, work):
+        ctx.work = work
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.work()
+        return grad, None
 
 
 def main() -> None:
@@ -93,9 +112,19 @@ def main() -> None:
         x.grad = None
         _Nothing.apply(x, *leaves).backward(dout)
 
+    # The router's backward pieces, on what its forward saves.
+    logits = torch.mm(x.detach(), layer.router.weight.detach().t(), out_dtype=torch.float32)
+    chosen, counts, route_weights, lse, _ = ops.route_softmax(logits, K, SOFTMAX_CHOSEN, 1.0)
+    ones = torch.ones_like(route_weights)
+
+    def route_backward():
+        return ops.route_softmax_backward(logits, lse, chosen, counts, K, SOFTMAX_CHOSEN, 1.0, ones, None,
+                                          None)
+
+    halves = route_backward()
+
     lib = _core.require()
     gate = layer.router.weight.detach()
-    halves = torch.randn(T, 2 * E, device="cuda").to(torch.bfloat16)
     gate2 = torch.cat([gate, gate])
     xd = x.detach()
     gate_mms = (
@@ -107,6 +136,33 @@ def main() -> None:
     def three_mms():
         for mm in gate_mms:
             mm()
+
+    def in_backward(work):
+        def fwd_bwd():
+            x.grad = None
+            _Runs.apply(x, work).backward(dout)
+        return fwd_bwd
+
+    def route_and_gate_grads():
+        gate_grads_from_halves(route_backward(), xd, gate, True, True)
+
+    def ten_launches():
+        for _ in range(10):
+            small.add_(1)
+
+    from moe_grouped.routing import library as routing_library
+
+    def patched(name, replacement, fn):
+        def run():
+            original = getattr(routing_library, name)
+            setattr(routing_library, name, replacement)
+            try:
+                fn()
+            finally:
+                setattr(routing_library, name, original)
+        return run
+
+    no_gate_grads = patched("gate_grads_from_halves", lambda *args: (None, None), router_fwd_bwd)
 
     parts = {
         "step (fwd+bwd)": step,
@@ -121,6 +177,8 @@ def main() -> None:
                                        permute_backend="cuda"),
         "FusedExperts fwd": fused_apply,
         "FusedExperts fwd+bwd": fused_backward,
+        "router bwd: route_softmax_backward": route_backward,
+        "router bwd: gate grads from halves": lambda: gate_grads_from_halves(halves, xd, gate, True, True),
         "routing.detached()": lambda: routing.detached(),
         "gate mm: logits (fp32 out)": gate_mms[0],
         "gate mm: dx": gate_mms[1],
@@ -131,6 +189,18 @@ def main() -> None:
         "floor: small.add_(1) (1 launch)": lambda: small.add_(1),
         "floor: Function fwd+bwd, 4 leaves": nothing_fwd_bwd,
         "floor: stream_handle": lambda: _core.stream_handle(x.device),
+        "10 launches (small.add_)": ten_launches,
+        "Function fwd+bwd, nothing in bwd": in_backward(lambda: None),
+        "Function fwd+bwd, 10 launches in bwd": in_backward(ten_launches),
+        "Function fwd+bwd, gate mm dx in bwd": in_backward(gate_mms[1]),
+        "route bwd + gate grads": route_and_gate_grads,
+        "router fwd+bwd, no gate grads": no_gate_grads,
+        "router fwd+bwd, x without grad": lambda: (setattr(layer.router.weight, "grad", None),
+                                                   layer.router(xd).weights.backward(ones)),
+        "router fwd+bwd, ones given": lambda: (setattr(layer.router.weight, "grad", None),
+                                               setattr(gate_x, "grad", None),
+                                               layer.router(gate_x).weights.backward(ones)),
+        "Function fwd+bwd, route bwd + gate grads in bwd": in_backward(route_and_gate_grads),
     }
     del out
     if args.trace:
@@ -145,7 +215,8 @@ def main() -> None:
             torch.cuda.synchronize()
         prof.export_chrome_trace(args.trace)
     for name, fn in parts.items():
-        print(f"{name:<36} {host_us(fn, args.calls):9.1f} us", flush=True)
+        host, wall = host_and_wall_us(fn, args.calls)
+        print(f"{name:<40} host {host:8.1f} us   wall {wall:8.1f} us", flush=True)
 
 
 if __name__ == "__main__":
