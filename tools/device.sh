@@ -17,7 +17,8 @@
 #   fp8-accuracy  benchmarks/fp8_accuracy.py (FP8 layer's outputs and gradients against bf16 and fp32)
 #   layer-profile  tools/layer_profile.py $LAYER_PROFILE_ARGS (kernel times of one MoELayer step)
 #   probe      tools/host_probe.py (PROBE_ARGS: its options)
-#   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step)
+#   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step; PARTS_ARGS: its
+#              options instead of --trace)
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
 #   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
 #              (tools/old_tree.sh COMMIT; carry it; a libmoe_grouped_core.so copied there is
@@ -121,7 +122,7 @@ for phase in "$@"; do
     probe)
       TAIL=100 run probe python3 tools/host_probe.py ${PROBE_ARGS:-} ;;
     parts)
-      TAIL=40 run parts python3 tools/host_parts.py --trace "$OUT/step_trace.json" ;;
+      TAIL=40 run parts python3 tools/host_parts.py ${PARTS_ARGS:---trace "$OUT/step_trace.json"} ;;
     host-ab)
       # Host times of an older package (.devbuild/before, from tools/old_tree.sh) against the
       # working tree's, in alternating processes (one process's times drift 20-40% from another's).

@@ -1,4 +1,4 @@
-"""Usage: python tools/host_parts.py [--calls N] [--trace FILE]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
+"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
 Host and wall microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
 cuda, fused, one grouped weight), each issued ``--calls`` times back to back from an idle GPU
@@ -63,6 +63,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--trace", help="write a Chrome trace of three steps here")
+    parser.add_argument("--router", type=int, default=0, metavar="ROUNDS",
+                        help="only the router's backward variants, in ROUNDS alternating rounds")
+    parser.add_argument("--thread-ops", type=int, default=0, metavar="ROUNDS",
+                        help="only single ops ten times, here and in a backward, in ROUNDS alternating rounds")
     args = parser.parse_args()
     layer = moe_grouped.MoELayer(H, F, E, K, dtype=torch.bfloat16, device="cuda", backend="cuda")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -163,6 +167,71 @@ def main() -> None:
         return run
 
     no_gate_grads = patched("gate_grads_from_halves", lambda *args: (None, None), router_fwd_bwd)
+    kept_grads = gate_grads_from_halves(halves, xd, gate, True, True)
+
+    def computed_not_returned(*args):
+        gate_grads_from_halves(*args)
+        return None, None
+
+    def computed_detached(detach_x: bool, detach_weight: bool):
+        def replacement(halves, x, weight, need_x, need_weight):
+            gate_grads_from_halves(halves, x.detach() if detach_x else x, weight.detach() if detach_weight else weight,
+                                   need_x, need_weight)
+            return None, None
+        return patched("gate_grads_from_halves", replacement, router_fwd_bwd)
+
+    # The router's backward with its gate gradients computed or not, returned or not: which costs.
+    router_variants = {
+        "router fwd+bwd": router_fwd_bwd,
+        "  gate grads neither computed nor returned": no_gate_grads,
+        "  gate grads computed, not returned": patched("gate_grads_from_halves", computed_not_returned,
+                                                       router_fwd_bwd),
+        "  gate grads returned, not computed (kept ones, cloned)": patched("gate_grads_from_halves",
+                                                                   lambda *args: kept_grads, router_fwd_bwd),
+        "  computed on detached x and weight, returned": patched(
+            "gate_grads_from_halves", lambda halves, x, weight, need_x, need_weight: gate_grads_from_halves(
+                halves, x.detach(), weight.detach(), need_x, need_weight), router_fwd_bwd),
+        "  computed on detached x and weight, not returned": computed_detached(True, True),
+        "  computed on detached x, not returned": computed_detached(True, False),
+        "  computed on detached weight, not returned": computed_detached(False, True),
+    }
+    def fresh_x_grad(fn):  # x's gradient set, not accumulated, as in a step
+        def run():
+            gate_x.grad = None
+            fn()
+        return run
+
+    router_variants = {name: fresh_x_grad(fn) for name, fn in router_variants.items()}
+    # Ten of one op on this thread, and inside a Function's backward (autograd's device thread).
+    ten = {
+        "mm, bf16 out": gate_mms[1],
+        "mm, fp32 out": gate_mms[2],
+        "cat": lambda: torch.cat([gate, gate]),
+        "empty": lambda: torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
+        "add_ (1 launch)": lambda: small.add_(1),
+    }
+    thread_variants = {}
+    for name, op in ten.items():
+        def ten_of(op=op):
+            for _ in range(10):
+                op()
+        thread_variants[f"10x {name}, here"] = ten_of
+        thread_variants[f"10x {name}, in a backward"] = in_backward(ten_of)
+    thread_variants["nothing, in a backward"] = in_backward(lambda: None)
+    if args.thread_ops:
+        router_variants, args.router = thread_variants, args.thread_ops
+    if args.router:
+        for fn in router_variants.values():
+            fn()
+        times = {name: [] for name in router_variants}
+        for r in range(args.router):
+            names = list(router_variants) if r % 2 == 0 else list(reversed(router_variants))
+            for name in names:
+                times[name].append(host_and_wall_us(router_variants[name], args.calls)[0])
+        for name, values in times.items():
+            print(f"{name:<48} host {statistics.median(values):8.1f} us  (median of {args.router} rounds, "
+                  f"alternating)", flush=True)
+        return
 
     parts = {
         "step (fwd+bwd)": step,
