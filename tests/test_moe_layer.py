@@ -217,6 +217,29 @@ def test_gpu_layer_matches_per_token_loops(shared, capacity):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("capacity", sorted(CAPACITY_OPTIONS))
+def test_gpu_backward_on_the_calling_thread_gives_the_same_gradients(capacity):
+    """``torch.autograd.set_multithreading_enabled(False)`` (the README's tip for eager steps) runs the
+    backward on the caller's thread instead of autograd's device thread: the same bits."""
+    for backend in gpu_backends():
+        torch.manual_seed(7)
+        layer = MoELayer(64, 96, 8, 2, aux_loss_coeff=0.01, z_loss_coeff=0.001, dtype=torch.bfloat16,
+                         device="cuda", backend=backend, **CAPACITY_OPTIONS[capacity])
+        x = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda")
+        dout = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda")
+        results = []
+        for threaded in (True, False):
+            layer.zero_grad(set_to_none=True)
+            xg = x.clone().requires_grad_(True)
+            out = layer(xg)
+            with torch.autograd.set_multithreading_enabled(threaded):
+                out.backward(dout)
+            results.append([out.detach(), xg.grad] + [p.grad for p in layer.parameters()])
+        for a, b in zip(*results):
+            assert torch.equal(a, b), f"{backend=} {capacity=}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capacity", sorted(CAPACITY_OPTIONS))
 def test_gpu_capture_of_forward_and_backward_replays_new_routing(capacity):
     tokens, hidden, ffn, num_experts, top_k = 256, 64, 128, 8, 2
     dtype = torch.bfloat16  # torch._grouped_mm copies offsets to the host for float32

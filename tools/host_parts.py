@@ -1,4 +1,4 @@
-"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
+"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS] [--steps ROUNDS]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
 Host and wall microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
 cuda, fused, one grouped weight), each issued ``--calls`` times back to back from an idle GPU
@@ -65,6 +65,9 @@ def main() -> None:
     parser.add_argument("--trace", help="write a Chrome trace of three steps here")
     parser.add_argument("--router", type=int, default=0, metavar="ROUNDS",
                         help="only the router's backward variants, in ROUNDS alternating rounds")
+    parser.add_argument("--steps", type=int, default=0, metavar="ROUNDS",
+                        help="only the step, with its backward on autograd's thread and on this one, in ROUNDS "
+                             "alternating rounds")
     parser.add_argument("--thread-ops", type=int, default=0, metavar="ROUNDS",
                         help="only single ops ten times, here and in a backward, in ROUNDS alternating rounds")
     args = parser.parse_args()
@@ -218,6 +221,14 @@ def main() -> None:
         thread_variants[f"10x {name}, here"] = ten_of
         thread_variants[f"10x {name}, in a backward"] = in_backward(ten_of)
     thread_variants["nothing, in a backward"] = in_backward(lambda: None)
+    def step_on_this_thread():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+
+    step_variants = {"step": step, "step, backward on this thread (set_multithreading_enabled(False))":
+                     step_on_this_thread}
+    if args.steps:
+        router_variants, args.router = step_variants, args.steps
     if args.thread_ops:
         router_variants, args.router = thread_variants, args.thread_ops
     if args.router:
