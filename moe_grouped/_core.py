@@ -192,16 +192,21 @@ class EpCombineArgs(ctypes.Structure):
     ]
 
 
+# The fields both experts-sequence argument structs open with, in the header's order.
+_EXPERTS_ARGS_HEAD = [
+    ("problem", GroupedProblem),
+    ("num_tokens", ctypes.c_int64),
+    ("top_k", ctypes.c_int),
+    ("hidden", ctypes.c_int64),
+    ("ffn", ctypes.c_int64),
+    ("row_id_map", ctypes.c_void_p),
+]
+
+
 class ExpertsForwardArgs(ctypes.Structure):
     """``mg_experts_forward_args``."""
 
-    _fields_ = [
-        ("problem", GroupedProblem),
-        ("num_tokens", ctypes.c_int64),
-        ("top_k", ctypes.c_int),
-        ("hidden", ctypes.c_int64),
-        ("ffn", ctypes.c_int64),
-        ("row_id_map", ctypes.c_void_p),
+    _fields_ = _EXPERTS_ARGS_HEAD + [
         ("tokens", ctypes.c_void_p),
         ("w1", GroupOperand),
         ("w2", GroupOperand),
@@ -214,13 +219,7 @@ class ExpertsForwardArgs(ctypes.Structure):
 class ExpertsBackwardArgs(ctypes.Structure):
     """``mg_experts_backward_args``."""
 
-    _fields_ = [
-        ("problem", GroupedProblem),
-        ("num_tokens", ctypes.c_int64),
-        ("top_k", ctypes.c_int),
-        ("hidden", ctypes.c_int64),
-        ("ffn", ctypes.c_int64),
-        ("row_id_map", ctypes.c_void_p),
+    _fields_ = _EXPERTS_ARGS_HEAD + [
         ("zero_unmapped", ctypes.c_int),
         ("dout", ctypes.c_void_p),
         ("tokens", ctypes.c_void_p),

@@ -278,8 +278,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     def _forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
                  weights):
         w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-        sequenced = stages is STAGES and fc1_swiglu_in_one_op(plan, tokens, w1)
-        if sequenced and experts_sequence.forward_applies(plan, tokens):
+        # The cheap conditions first: off the sequence, the stage asks fc1_swiglu_in_one_op itself.
+        if (stages is STAGES and experts_sequence.forward_applies(plan, tokens)
+                and fc1_swiglu_in_one_op(plan, tokens, w1)):
             # The same kernels as the two stages, from one core call (bitwise the same g and y).
             g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
         else:

@@ -77,7 +77,7 @@ def forward_fc(plan, tokens, row_id_map, m_splits, w1: list, w2: list) -> tuple[
     scratch = torch.empty(_forward_scratch_bytes(rows, ffn, _core.dtype_code(dtype)), dtype=torch.uint8,
                           device=device)
     args = _core.ExpertsForwardArgs(
-        problem=_problem(m_splits, rows, dtype, device), num_tokens=num_tokens, top_k=plan.top_k, hidden=hidden,
+        problem=_problem(tokens, m_splits, rows), num_tokens=num_tokens, top_k=plan.top_k, hidden=hidden,
         ffn=ffn, row_id_map=row_id_map.data_ptr(), tokens=tokens.data_ptr(), w1=cuda_backend.group_operand(w1),
         w2=cuda_backend.group_operand(w2), scratch=scratch.data_ptr(), g=g.data_ptr(), y=y.data_ptr(),
     )
@@ -85,13 +85,10 @@ def forward_fc(plan, tokens, row_id_map, m_splits, w1: list, w2: list) -> tuple[
     return g, y
 
 
-def _problem(m_splits: torch.Tensor, rows: int, dtype: torch.dtype, device: torch.device) -> _core.GroupedProblem:
-    """The sequences' problem: E groups over ``rows`` rows (each GEMM sets its n, k and slot)."""
-    return _core.GroupedProblem(
-        num_groups=m_splits.shape[0], total_rows=rows, n=0, k=0, m_splits=m_splits.data_ptr(),
-        splits_dtype=_core.dtype_code(m_splits.dtype), dtype=_core.dtype_code(dtype),
-        device=_core.device_index(device), workspace_slot=0,
-    )
+def _problem(tokens: torch.Tensor, m_splits: torch.Tensor, rows: int) -> _core.GroupedProblem:
+    """The sequences' problem: E groups over ``rows`` rows in the tokens' dtype (each GEMM sets its n, k and
+    slot)."""
+    return cuda_backend.grouped_problem(tokens, m_splits, m_splits.shape[0], 0, 0, 0, total_rows=rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,7 +125,7 @@ def backward(plan, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, 
     stream = _core.stream_handle(device)
     lib = _core.require()
     args = _core.ExpertsBackwardArgs(
-        problem=_problem(m_splits, rows, dtype, device),
+        problem=_problem(tokens, m_splits, rows),
         num_tokens=num_tokens, top_k=top_k, hidden=hidden, ffn=ffn, row_id_map=row_id_map.data_ptr(),
         zero_unmapped=int(plan.zero_unmapped), dout=dout.data_ptr(), tokens=tokens.data_ptr(),
         probs=flat_probs.data_ptr(), g=g.data_ptr(), w1=cuda_backend.group_operand(w1),

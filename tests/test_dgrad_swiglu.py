@@ -138,7 +138,7 @@ def test_gpu_dgrad_swiglu_entry_point_refuses_bad_arguments():
     weights = [torch.randn(experts, hidden, ffn, device="cuda", dtype=torch.bfloat16)]
 
     def call(dtype=torch.bfloat16, cols=1, g_ptr=None):
-        problem = cuda_backend._problem(dy, m_splits, experts, hidden, ffn, cuda_backend.SLOT_FPROP_DGRAD,
+        problem = cuda_backend.grouped_problem(dy, m_splits, experts, hidden, ffn, cuda_backend.SLOT_FPROP_DGRAD,
                                         dtype=dtype)
         _core.check(lib.mg_grouped_dgrad_swiglu(
             ctypes.byref(problem), dy.data_ptr(), cuda_backend.group_operand(weights),

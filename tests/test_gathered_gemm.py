@@ -269,7 +269,7 @@ def test_cuda_gathered_entry_points_refuse_bad_input():
     lib = _core.require()
     m_splits, index, x, _, w = _operands((4, 150, 2, 264, 520), "balanced", "routing")
     y = torch.empty(index.shape[0], 520, dtype=torch.bfloat16, device="cuda")
-    problem = cuda_backend._problem(y, m_splits, 4, 520, 264, cuda_backend.SLOT_FPROP_DGRAD)
+    problem = cuda_backend.grouped_problem(y, m_splits, 4, 520, 264, cuda_backend.SLOT_FPROP_DGRAD)
     weight = cuda_backend.group_operand(w)
 
     def call(source, rows, dtype=_core.dtype_code(torch.bfloat16)):

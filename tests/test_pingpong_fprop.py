@@ -156,7 +156,7 @@ def _raw_fprop(x, w, m_splits, out, h=None, kernel="auto", monkeypatch=None):
     """The C entry point on preset outputs (the Python wrappers allocate theirs), so unwritten rows show."""
     lib = _core.require()
     num_experts, n, k = w.shape
-    problem = cuda_backend._problem(out, m_splits, num_experts, n, k, cuda_backend.SLOT_FPROP_DGRAD,
+    problem = cuda_backend.grouped_problem(out, m_splits, num_experts, n, k, cuda_backend.SLOT_FPROP_DGRAD,
                                     dtype=torch.bfloat16)
     monkeypatch.setenv(FPROP_ENV, kernel)
     stream = _core.stream_handle(x.device)
@@ -211,7 +211,7 @@ def test_cuda_fprop_swiglu_entry_point_refuses_bad_input(monkeypatch):
     stream = _core.stream_handle(x.device)
 
     def call(source=x, gather=None, n=512, dtype=torch.bfloat16, out=g):
-        problem = cuda_backend._problem(out, m_splits, 4, n, 256, cuda_backend.SLOT_FPROP_DGRAD, total_rows=rows,
+        problem = cuda_backend.grouped_problem(out, m_splits, 4, n, 256, cuda_backend.SLOT_FPROP_DGRAD, total_rows=rows,
                                         dtype=dtype)
         rows_arg = ctypes.byref(gather) if gather is not None else None
         return lib.mg_grouped_fprop_swiglu(ctypes.byref(problem), source.data_ptr(), rows_arg,

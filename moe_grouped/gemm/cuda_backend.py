@@ -42,7 +42,7 @@ def shape_supported(n: int, k: int) -> bool:
     return n > 0 and k > 0 and n % ALIGNMENT == 0 and k % ALIGNMENT == 0
 
 
-def _problem(
+def grouped_problem(
     tokens: torch.Tensor, m_splits: torch.Tensor, num_groups: int, n: int, k: int, slot: int,
     total_rows: Optional[int] = None, dtype: Optional[torch.dtype] = None,
 ) -> _core.GroupedProblem:
@@ -183,7 +183,7 @@ def fprop(
     if bias is not None:
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
-    problem = _problem(x, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    problem = grouped_problem(x, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_fprop(
             ctypes.byref(problem),
@@ -206,7 +206,7 @@ def dgrad(
     num_groups, n, k = _matrix_shape(weights)
     dy = dy.contiguous()
     dx = torch.empty(dy.shape[0], k, dtype=out_dtype, device=dy.device)
-    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    problem = grouped_problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_dgrad(
             ctypes.byref(problem),
@@ -233,7 +233,7 @@ def wgrad(
     num_groups, n, k = _matrix_shape(out)
     dy = dy.contiguous()
     x = x.contiguous()
-    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD)
+    problem = grouped_problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD)
     _core.check(
         lib.mg_grouped_wgrad(
             ctypes.byref(problem),
@@ -293,7 +293,7 @@ def dgrad_swiglu(
     partials = torch.zeros(rows, cols.value, dtype=torch.float32, device=dy.device)
     if routing_weights is not None:
         routing_weights = routing_weights.contiguous()
-    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
+    problem = grouped_problem(dy, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_dgrad_swiglu(
             ctypes.byref(problem),
@@ -346,7 +346,7 @@ def _gathered(kind: str, source, index, weights, m_splits, out_dtype) -> torch.T
     source = source.contiguous()
     rows, index = _row_gather(source, index)
     out = torch.empty(index.shape[0], n if kind == "fprop" else k, dtype=out_dtype, device=source.device)
-    problem = _problem(out, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    problem = grouped_problem(out, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
     entry = lib.mg_grouped_fprop_gathered if kind == "fprop" else lib.mg_grouped_dgrad_gathered
     _core.check(entry(ctypes.byref(problem), source.data_ptr(), rows, group_operand(weights), out.data_ptr(),
                       _core.dtype_code(out_dtype), _core.stream_handle(source.device)))
@@ -390,7 +390,7 @@ def wgrad_gathered(
     if x_index is not None:
         x_rows, x_index = _row_gather(x, x_index)
     total_rows = (dy_index if dy_index is not None else dy).shape[0]
-    problem = _problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD, total_rows=total_rows)
+    problem = grouped_problem(dy, m_splits, num_groups, n, k, SLOT_WGRAD, total_rows=total_rows)
     _core.check(
         lib.mg_grouped_wgrad_gathered(
             ctypes.byref(problem),
@@ -443,7 +443,7 @@ def fprop_swiglu(
     total_rows = (index if index is not None else source).shape[0]
     g = torch.empty(total_rows, n, dtype=source.dtype, device=source.device)
     h = torch.empty(total_rows, n // 2, dtype=source.dtype, device=source.device)
-    problem = _problem(g, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
+    problem = grouped_problem(g, m_splits, num_groups, n, k, SLOT_FPROP_DGRAD, dtype=source.dtype)
     _core.check(
         lib.mg_grouped_fprop_swiglu(
             ctypes.byref(problem),
@@ -463,7 +463,7 @@ def dbias(dy: torch.Tensor, m_splits: torch.Tensor, num_groups: int, out_dtype: 
     _check_out_dtype(out_dtype, dy.dtype)
     dy = dy.contiguous()
     out = torch.empty(num_groups, dy.shape[1], dtype=out_dtype, device=dy.device)
-    problem = _problem(dy, m_splits, num_groups, dy.shape[1], 0, SLOT_FPROP_DGRAD)
+    problem = grouped_problem(dy, m_splits, num_groups, dy.shape[1], 0, SLOT_FPROP_DGRAD)
     _core.check(
         lib.mg_grouped_dbias(
             ctypes.byref(problem), dy.data_ptr(), out.data_ptr(), _core.dtype_code(out_dtype),
