@@ -25,6 +25,7 @@ refuses it).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import threading
@@ -169,6 +170,14 @@ class DirectCalls:
     def __exit__(self, *exc):
         _state.direct = self._previous
         return False
+
+
+def direct_calls(tensors):
+    """A :class:`DirectCalls` region over ``tensors`` for an ``autograd.Function``'s forward or backward; none
+    when traced (the ops then go through ``torch.ops``)."""
+    if torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return DirectCalls(tensors)
 
 
 class _Ops:

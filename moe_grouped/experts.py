@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._ops import DirectCalls, ops
+from ._ops import direct_calls, ops
 from . import _core, experts_sequence
 from .activation import swiglu
 from .gemm import cuda_backend
@@ -254,6 +254,72 @@ def _gemm_sm_limit(plan: Plan, sinks: Optional[Sinks], device: torch.device):
     return _core.gemm_sm_limit(device, sinks.gemm_sms)
 
 
+def forward(plan: Plan, sinks: Optional[Sinks], stages, tokens, probs, row_id_map, m_splits, weights):
+    """The fused op's forward on its inputs: ``(out, g)``, g being what backward keeps of fc1 (see the module
+    docstring). ``weights``: fc1's then fc2's. Shared by :class:`FusedExpertsFunction` and the layer's op
+    with the router (:mod:`moe_grouped.routed_experts`)."""
+    w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
+    # The cheap conditions first: off the sequence, the stage asks fc1_swiglu_in_one_op itself.
+    if (stages is STAGES and experts_sequence.forward_applies(plan, tokens)
+            and fc1_swiglu_in_one_op(plan, tokens, w1)):
+        # The same kernels as the two stages, from one core call (bitwise the same g and y).
+        g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
+    else:
+        g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
+        y = stages.fc2(plan, h, m_splits, w2)
+        del h
+    if plan.routed:
+        y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
+    return y, g
+
+
+def backward(plan: Plan, sinks: Optional[Sinks], stages, delayed: tuple, needed: tuple, dout, tokens, probs,
+             row_id_map, m_splits, g, weights) -> tuple:
+    """The fused op's backward: ``(dx, dprobs, fc1's weight gradients, fc2's)``, None where not needed.
+
+    ``delayed``: fc1's and fc2's deferred-wgrad queues; ``needed``: whether
+    the tokens', the routing weights', fc1's and fc2's gradients are wanted;
+    ``g``: what :func:`forward` returned, which becomes dg in place.
+    """
+    need_x, need_probs, fc1_needed, fc2_needed = needed
+    w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
+    if stages is STAGES and experts_sequence.applies(plan, sinks, tokens, probs, g):
+        # The same kernels as the stages below, from two core calls (bitwise the same gradients).
+        return experts_sequence.backward(plan, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+    fc1_delayed, fc2_delayed = delayed
+    acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
+    w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
+    # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
+    # wh = w * h is fc2's wgrad operand.
+    rows = g.shape[0]  # R, the permuted rows every GEMM here runs over
+    dy_u, wh, dprob = stages.dgrad_swiglu_(plan, dout, row_id_map, m_splits, g, w, w2)
+    dg = g
+    del g
+    wh = stages.wgrad_input(plan, wh, m_splits) if fc2_needed else None
+    w2_grads = _weight_grads(stages, plan.fc2, fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits, rows, w2)
+    del dy_u, wh
+    dprobs = None
+    if plan.routed and need_probs:
+        dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
+    dx = None
+    if need_x:
+        dxp = stages.fc1_dgrad(plan, dg, m_splits, w1)
+        if plan.routed:
+            dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
+        else:
+            dx = dxp
+        del dxp
+        if sinks is not None and sinks.on_grad_tokens is not None:
+            sinks.on_grad_tokens(dx, dprobs)
+    dg = stages.wgrad_grad(plan, dg, m_splits) if fc1_needed else None
+    with _gemm_sm_limit(plan, sinks, tokens.device):
+        w1_grads = _weight_grads(
+            stages, plan.fc1, fc1_delayed, fc1_needed, dg,
+            lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, rows, w1,
+        )
+    return dx, dprobs, w1_grads, w2_grads
+
+
 class FusedExpertsFunction(torch.autograd.Function):
     """``apply(tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed, *fc1_weights,
     *fc2_weights)``.
@@ -268,87 +334,27 @@ class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
                 *weights):
-        args = (ctx, tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed, weights)
-        if torch.compiler.is_compiling():  # traced: the ops go through torch.ops
-            return FusedExpertsFunction._forward(*args)
-        with DirectCalls((tokens, probs, row_id_map, m_splits, *_sink_tensors(sinks), *weights)):
-            return FusedExpertsFunction._forward(*args)
-
-    @staticmethod
-    def _forward(ctx, tokens, probs, row_id_map, m_splits, plan: Plan, sinks, stages, fc1_delayed, fc2_delayed,
-                 weights):
-        w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-        # The cheap conditions first: off the sequence, the stage asks fc1_swiglu_in_one_op itself.
-        if (stages is STAGES and experts_sequence.forward_applies(plan, tokens)
-                and fc1_swiglu_in_one_op(plan, tokens, w1)):
-            # The same kernels as the two stages, from one core call (bitwise the same g and y).
-            g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
-        else:
-            g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
-            y = stages.fc2(plan, h, m_splits, w2)
-            del h
-        if plan.routed:
-            y = _unpermute(plan, y, row_id_map, probs, sinks.out if sinks is not None else None)
+        with direct_calls((tokens, probs, row_id_map, m_splits, *_sink_tensors(sinks), *weights)):
+            y, g = forward(plan, sinks, stages, tokens, probs, row_id_map, m_splits, weights)
         ctx.save_for_backward(tokens, probs, row_id_map, m_splits, g, *weights)
         ctx.plan, ctx.sinks, ctx.stages = plan, sinks, stages
-        ctx.fc1_delayed, ctx.fc2_delayed = fc1_delayed, fc2_delayed
+        ctx.delayed = (fc1_delayed, fc2_delayed)
         return y
 
     @staticmethod
     def backward(ctx, dout):
-        saved = ctx.saved_tensors
-        if torch.compiler.is_compiling():
-            return FusedExpertsFunction._backward(ctx, dout, saved)
-        with DirectCalls((dout, *saved, *_sink_tensors(ctx.sinks))):
-            return FusedExpertsFunction._backward(ctx, dout, saved)
-
-    @staticmethod
-    def _backward(ctx, dout, saved):
-        tokens, probs, row_id_map, m_splits, g, *weights = saved
+        tokens, probs, row_id_map, m_splits, g, *weights = saved = ctx.saved_tensors
         plan: Plan = ctx.plan
-        sinks: Optional[Sinks] = ctx.sinks
-        stages = ctx.stages
-        w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
         needs = ctx.needs_input_grad
         first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed
-        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
-        fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
-        if stages is STAGES and experts_sequence.applies(plan, sinks, tokens, probs, g):
-            # The same kernels as the stages below, from two core calls (bitwise the same gradients).
-            dx, dprobs, w1_grads, w2_grads = experts_sequence.backward(
-                plan, (needs[0], needs[1], fc1_needed, fc2_needed), dout, tokens, probs, row_id_map, m_splits,
-                g, w1, w2,
-            )
-            return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)
-        acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
-        w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None
-        # fc2's dgrad and the weighted SwiGLU backward: g becomes dg in place;
-        # wh = w * h is fc2's wgrad operand.
-        rows = g.shape[0]  # R, the permuted rows every GEMM here runs over
-        dy_u, wh, dprob = stages.dgrad_swiglu_(plan, dout, row_id_map, m_splits, g, w, w2)
-        dg = g
-        del g
-        wh = stages.wgrad_input(plan, wh, m_splits) if fc2_needed else None
-        w2_grads = _weight_grads(stages, plan.fc2, ctx.fc2_delayed, fc2_needed, dy_u, lambda wh=wh: wh, m_splits,
-                                 rows, w2)
-        del dy_u, wh
-        dprobs = None
-        if plan.routed and needs[1]:
-            dprobs = _copy_values(plan, dprob, row_id_map).view(probs.shape).to(probs.dtype)
-        dx = None
-        if needs[0]:
-            dxp = stages.fc1_dgrad(plan, dg, m_splits, w1)
-            if plan.routed:
-                dx = _unpermute(plan, dxp, row_id_map, None, sinks.grad_tokens if sinks is not None else None)
-            else:
-                dx = dxp
-            del dxp
-            if sinks is not None and sinks.on_grad_tokens is not None:
-                sinks.on_grad_tokens(dx, dprobs)
-        dg = stages.wgrad_grad(plan, dg, m_splits) if fc1_needed else None
-        with _gemm_sm_limit(plan, sinks, tokens.device):
-            w1_grads = _weight_grads(
-                stages, plan.fc1, ctx.fc1_delayed, fc1_needed, dg,
-                lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, rows, w1,
+        needed = (
+            needs[0], needs[1], any(needs[first_weight : first_weight + plan.num_fc1_weights]),
+            any(needs[first_weight + plan.num_fc1_weights :]),
+        )
+        with direct_calls((dout, *saved, *_sink_tensors(ctx.sinks))):
+            dx, dprobs, w1_grads, w2_grads = backward(
+                plan, ctx.sinks, ctx.stages, ctx.delayed, needed, dout, tokens, probs, row_id_map, m_splits, g,
+                weights,
             )
         return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)
+

@@ -154,9 +154,14 @@ class GroupedMLP(nn.Module):
         layer wants the output and the token gradient (:class:`moe_grouped.experts.Sinks`).
         ``is_first_microbatch``: FP8 weight reuse, as in :meth:`forward`.
         """
-        plan = self._plan(tokens, routed=True, top_k=probs.shape[1], num_rows=num_rows,
-                          zero_unmapped=zero_unmapped, permute_backend=permute_backend)
+        plan = self.routed_plan(tokens, probs.shape[1], num_rows, zero_unmapped, permute_backend)
         return self._fused(tokens, probs, row_id_map, m_splits, plan, sinks, is_first_microbatch)
+
+    def routed_plan(self, tokens: torch.Tensor, top_k: int, num_rows: int, zero_unmapped: bool,
+                    permute_backend: str) -> Plan:
+        """The fused op's :class:`~moe_grouped.experts.Plan` for routed ``tokens`` (see :meth:`forward_routed`)."""
+        return self._plan(tokens, routed=True, top_k=top_k, num_rows=num_rows, zero_unmapped=zero_unmapped,
+                          permute_backend=permute_backend)
 
     def forward_tokens(
         self,
@@ -217,6 +222,16 @@ class GroupedMLP(nn.Module):
 
     def _fused(self, tokens, probs, row_id_map, m_splits, plan: Plan, sinks: Optional[Sinks] = None,
                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        stages = self.fused_stages(tokens, plan.gemm_backend, is_first_microbatch)
+        return FusedExpertsFunction.apply(
+            tokens, probs, row_id_map, m_splits, plan, sinks, stages, self.fc1._delayed, self.fc2._delayed,
+            *self.fused_weights(),
+        )
+
+    def fused_stages(self, tokens: torch.Tensor, gemm_backend: str, is_first_microbatch: Optional[bool] = None):
+        """The fused op's stages for ``tokens``: the layer dtype's, or FP8's on ``gemm_backend`` inside
+        ``fp8_autocast``. Checks that the parameters match the tokens first, and marks the weights whose
+        gradient backward adds into ``main_grad``."""
         weight = self.fc1.weights()[0]
         if tokens.dtype != weight.dtype:
             raise TypeError(f"x has dtype {tokens.dtype} but the layer's parameters are {weight.dtype}")
@@ -226,17 +241,17 @@ class GroupedMLP(nn.Module):
                 if layer.fuse_wgrad_accumulation:
                     for w in layer.weights():
                         w.grad_added_to_main_grad = True  # backward adds into main_grad, as Megatron expects
-        stages = STAGES
         recipe = get_fp8_recipe()
-        if recipe is not None:
-            stages = fp8_experts.stages_for(
-                recipe, plan.gemm_backend, (self.fc1.weights(), self.fc2.weights()),
-                (self.fc1._fp8_weights, self.fc2._fp8_weights), is_first_microbatch,
-            )
-        return FusedExpertsFunction.apply(
-            tokens, probs, row_id_map, m_splits, plan, sinks, stages, self.fc1._delayed, self.fc2._delayed,
-            *self.fc1.weights(), *self.fc2.weights(),
+        if recipe is None:
+            return STAGES
+        return fp8_experts.stages_for(
+            recipe, gemm_backend, (self.fc1.weights(), self.fc2.weights()),
+            (self.fc1._fp8_weights, self.fc2._fp8_weights), is_first_microbatch,
         )
+
+    def fused_weights(self) -> list:
+        """The fused op's weight inputs: fc1's, then fc2's."""
+        return self.fc1.weights() + self.fc2.weights()
 
     def backward_dw(self) -> None:
         """The deferred weight gradients of both layers (``delay_wgrad_compute=True``)."""

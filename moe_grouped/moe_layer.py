@@ -12,8 +12,10 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from . import routed_experts
 from .mlp import GroupedMLP, SwiGLUMLP
-from .permute import check_drop_options
+from .permute import check_drop_options, expert_capacity, index_backend, permuted_rows
+from .routed_experts import RoutedExpertsFunction, Route
 from .router import Router, RoutingOutput
 
 
@@ -144,19 +146,54 @@ class MoELayer(nn.Module):
             )
         # 2-D input as it is: a reshape would add a view node to every backward.
         tokens = x.contiguous() if x.dim() == 2 else x.reshape(-1, self.hidden).contiguous()
-        routing = self.router(tokens)
-        out = self.experts.forward_tokens(
-            tokens, routing.experts, routing.weights, backend=self.backend, is_first_microbatch=is_first_microbatch,
-            probs=routing.weights.detach(), capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
-            pad_to_capacity=self.pad_to_capacity,
-        )
+        out, routing = self._routed_experts(tokens, is_first_microbatch)
+        if out is None:
+            routing = self.router(tokens)
+            out = self.experts.forward_tokens(
+                tokens, routing.experts, routing.weights, backend=self.backend,
+                is_first_microbatch=is_first_microbatch, probs=routing.weights.detach(),
+                capacity_factor=self.capacity_factor, drop_policy=self.drop_policy,
+                pad_to_capacity=self.pad_to_capacity,
+            )
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         if self.training and torch.is_grad_enabled() and (self.aux_loss_coeff or self.z_loss_coeff):
             loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
             out = _AttachAuxLoss.apply(out, loss)
-        self.last_routing = routing.detached()
+        # Not a parameter, buffer or module: nn.Module.__setattr__'s checks would only cost time.
+        object.__setattr__(self, "last_routing", routing.detached())
         return out if x.dim() == 2 else out.view(x.shape)
+
+    def _routed_experts(self, tokens: torch.Tensor, is_first_microbatch: Optional[bool]):
+        """``(out, routing)`` from the router and the experts as one autograd op
+        (:mod:`moe_grouped.routed_experts`), or ``(None, None)`` where the two ops must run."""
+        if not routed_experts.enabled:
+            return None, None
+        self.router.check_input(tokens)
+        mode = self.router.fused_mode(tokens)
+        if mode is None or not self.experts.uses_fused_path(tokens):
+            return None, None
+        num_tokens, top_k, num_experts = tokens.shape[0], self.top_k, self.num_experts
+        capacity = None
+        if self.capacity_factor is not None:
+            capacity = expert_capacity(num_tokens, top_k, num_experts, self.capacity_factor)
+        permute_backend = index_backend(self.backend, tokens, num_experts)
+        plan = self.experts.routed_plan(
+            tokens, top_k, permuted_rows(num_tokens, top_k, num_experts, capacity, self.pad_to_capacity),
+            capacity is not None, permute_backend,
+        )
+        route = Route(
+            top_k, mode, self.router.scaling_factor, num_experts, -1 if capacity is None else capacity,
+            self.pad_to_capacity, capacity is not None and self.drop_policy == "probs",
+        )
+        stages = self.experts.fused_stages(tokens, plan.gemm_backend, is_first_microbatch)
+        experts = self.experts
+        out, weights, losses, logits, chosen, counts = RoutedExpertsFunction.apply(
+            tokens, self.router.weight, route, plan, stages, experts.fc1._delayed, experts.fc2._delayed,
+            *experts.fused_weights(),
+        )
+        aux_loss, z_loss = losses.unbind()  # one view op for both
+        return out, RoutingOutput(weights, chosen, counts, aux_loss, z_loss, logits)
 
     def backward_dw(self) -> None:
         """The experts' deferred weight gradients (``delay_wgrad_compute=True``)."""

@@ -211,11 +211,8 @@ class Router(nn.Module):
             self.tokens_since_update.zero_()
 
     def forward(self, x: torch.Tensor) -> RoutingOutput:
-        _checks.check_tensor("x", x, dim=2)
-        if x.shape[1] != self.hidden:
-            raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
-        _checks.check_same_device("the router's weight", self.weight, x=x)
-        mode = self._fused_mode(x)
+        self.check_input(x)
+        mode = self.fused_mode(x)
         if mode is not None:
             weights, experts, counts, aux_loss, z_loss_, logits = routing.softmax_route(
                 x, self.weight, self.top_k, mode, self.scaling_factor
@@ -235,8 +232,15 @@ class Router(nn.Module):
             logits=logits,
         )
 
-    def _fused_mode(self, x: torch.Tensor) -> Optional[int]:
-        """The softmax kernels' weights mode for this router and input, None when they do not apply."""
+    def check_input(self, x: torch.Tensor) -> None:
+        """Raise unless ``x`` is [tokens, hidden] on the gate weight's device."""
+        _checks.check_tensor("x", x, dim=2)
+        if x.shape[1] != self.hidden:
+            raise ValueError(f"x must have shape [tokens, {self.hidden}] (hidden), got {tuple(x.shape)}")
+        _checks.check_same_device("the router's weight", self.weight, x=x)
+
+    def fused_mode(self, x: torch.Tensor) -> Optional[int]:
+        """The softmax route kernels' weights mode for this router on ``x``, None where they do not apply."""
         if self.score_function != "softmax" or self.expert_bias is not None or self.n_group is not None:
             return None
         if not routing.softmax_route_applies(x, self.weight, self.top_k):

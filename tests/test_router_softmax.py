@@ -28,7 +28,7 @@ def test_options_map_to_a_weights_mode(monkeypatch, name):
     options, mode = ROUTERS[name]
     router = Router(16, 8, 2, **options)
     monkeypatch.setattr(routing, "softmax_route_applies", lambda *args: True)
-    assert router._fused_mode(torch.zeros(1, 16)) == mode
+    assert router.fused_mode(torch.zeros(1, 16)) == mode
 
 
 @pytest.mark.parametrize(
@@ -37,7 +37,7 @@ def test_options_map_to_a_weights_mode(monkeypatch, name):
 def test_other_routers_compose_torch_ops(monkeypatch, options):
     router = Router(16, 8, 2, **options)
     monkeypatch.setattr(routing, "softmax_route_applies", lambda *args: True)
-    assert router._fused_mode(torch.zeros(1, 16)) is None
+    assert router.fused_mode(torch.zeros(1, 16)) is None
 
 
 def test_kernels_take_bf16_cuda_only():
@@ -72,7 +72,7 @@ def test_kernels_match_the_torch_composition(monkeypatch, name, num_experts, top
     options, mode = ROUTERS[name]
     torch.manual_seed(tokens + num_experts)
     router = Router(256, num_experts, top_k, dtype=torch.bfloat16, device="cuda", **options)
-    assert router._fused_mode(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda")) == mode
+    assert router.fused_mode(torch.zeros(1, 256, dtype=torch.bfloat16, device="cuda")) == mode
     x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
     results = []
     for run in ("kernels", "torch"):

@@ -1,4 +1,4 @@
-"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS] [--steps ROUNDS]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
+"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS] [--steps ROUNDS] [--nodes ROUNDS] [--profile-forward]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
 Host and wall microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
 cuda, fused, one grouped weight), each issued ``--calls`` times back to back from an idle GPU
@@ -18,11 +18,12 @@ import torch
 from host_probe import per_call_us  # tools/ is on the path when this runs as a script
 
 import moe_grouped
-from moe_grouped import _core
+from moe_grouped import _core, routed_experts
 from moe_grouped.experts import FusedExpertsFunction, STAGES
 from moe_grouped.routing import SOFTMAX_CHOSEN
 from moe_grouped.permute import permute_index, source_rows
-from moe_grouped._ops import ops
+from moe_grouped._ops import DirectCalls, ops
+from moe_grouped import experts_sequence
 from moe_grouped.routing.torch_backend import gate_grads_from_halves
 
 T, H, F, E, K = 256, 1024, 512, 64, 8
@@ -59,6 +60,44 @@ class _Runs(torch.autograd.Function):
         return grad, None
 
 
+class _RouterLike(torch.autograd.Function):
+    """x -> routing weights [T, k]: a stand-in node that computes nothing."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        return x.new_empty(x.shape[0], K, dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.new_zeros(T, H, dtype=torch.bfloat16), None
+
+
+class _ExpertsLike(torch.autograd.Function):
+    """(x, weights) -> out: a stand-in node whose gradients are new tensors, as the experts' are."""
+
+    @staticmethod
+    def forward(ctx, x, weights):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone(), grad.new_empty(T, K, dtype=torch.float32)
+
+
+class _MergedLike(torch.autograd.Function):
+    """x -> out: the two stand-ins as one node (its x gradient summed inside)."""
+
+    @staticmethod
+    def forward(ctx, x, gate):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dx = grad.clone()
+        dx.add_(grad.new_zeros(T, H))
+        return dx, None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--calls", type=int, default=200)
@@ -70,6 +109,11 @@ def main() -> None:
                              "alternating rounds")
     parser.add_argument("--thread-ops", type=int, default=0, metavar="ROUNDS",
                         help="only single ops ten times, here and in a backward, in ROUNDS alternating rounds")
+    parser.add_argument("--nodes", type=int, default=0, metavar="ROUNDS",
+                        help="only a router-like and an experts-like node against one merged node (no work), "
+                             "in ROUNDS alternating rounds")
+    parser.add_argument("--profile-forward", action="store_true",
+                        help="only cProfile's top functions (own time) over 500 forwards with grad")
     args = parser.parse_args()
     layer = moe_grouped.MoELayer(H, F, E, K, dtype=torch.bfloat16, device="cuda", backend="cuda")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -205,6 +249,21 @@ def main() -> None:
         return run
 
     router_variants = {name: fresh_x_grad(fn) for name, fn in router_variants.items()}
+    halves_out = torch.empty_like(halves)
+    route_args = (logits.data_ptr(), lse.data_ptr(), chosen.data_ptr(), counts.data_ptr(), T, E, K, SOFTMAX_CHOSEN,
+                  1.0, ones.data_ptr(), None, None, _core.dtype_code(torch.bfloat16), halves_out.data_ptr())
+
+    def raw_route_backward():  # the kernel launch through the core alone: no allocation, no Python wrapper
+        _core.check(lib.mg_route_softmax_backward(*route_args, _core.stream_handle(x.device)))
+
+    seq_g = torch.randn(rows, 2 * F, device="cuda", dtype=torch.bfloat16)
+    w1, w2 = experts.fc1.weights(), experts.fc2.weights()
+
+    def sequence_backward():  # g becomes dg in place each call: the values do not matter here
+        with torch.no_grad(), DirectCalls([xd, probs, seq_g]):
+            experts_sequence.backward(plan, (True, True, True, True), dout, xd, probs.detach(), row_id_map, m_splits,
+                                      seq_g, w1, w2)
+
     # Ten of one op on this thread, and inside a Function's backward (autograd's device thread).
     ten = {
         "mm, bf16 out": gate_mms[1],
@@ -212,7 +271,23 @@ def main() -> None:
         "cat": lambda: torch.cat([gate, gate]),
         "empty": lambda: torch.empty(T, H, device="cuda", dtype=torch.bfloat16),
         "add_ (1 launch)": lambda: small.add_(1),
+        "add, out= (gate dW's sum)": lambda: torch.add(kept_both[:E], kept_both[E:], out=kept_dw),
+        "ctypes mg_abi_version": lib.mg_abi_version,
+        "ops.route_softmax_backward": route_backward,
+        "route bwd + gate grads (1/10 of)": lambda: route_and_gate_grads() if _tick() else None,
+        "core launch, raw ctypes (route softmax bwd)": raw_route_backward,
+        "experts_sequence.backward (1/10 of)": lambda: sequence_backward() if _tick() else None,
+        "gate grads from halves (1/10 of)": (
+            lambda: gate_grads_from_halves(halves, xd, gate, True, True) if _tick() else None),
     }
+    kept_both = torch.mm(halves.t(), xd, out_dtype=torch.float32)
+    kept_dw = torch.empty_like(gate)
+    calls = [0]
+
+    def _tick():  # true once in ten calls: the composite parts run once per ten-op round
+        calls[0] += 1
+        return calls[0] % 10 == 0
+
     thread_variants = {}
     for name, op in ten.items():
         def ten_of(op=op):
@@ -225,8 +300,44 @@ def main() -> None:
         with torch.autograd.set_multithreading_enabled(False):
             step()
 
+    def step_two_ops():
+        routed_experts.enabled = False
+        try:
+            step()
+        finally:
+            routed_experts.enabled = True
+
     step_variants = {"step": step, "step, backward on this thread (set_multithreading_enabled(False))":
-                     step_on_this_thread}
+                     step_on_this_thread, "step, router and experts as two ops (routed_experts off)": step_two_ops}
+    if args.profile_forward:
+        import cProfile
+        import pstats
+
+        for _ in range(20):
+            layer(x)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(500):
+            layer(x)
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+        return
+    node_x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    node_gate = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def two_nodes():
+        node_x.grad = None
+        _ExpertsLike.apply(node_x, _RouterLike.apply(node_x, node_gate)).backward(dout)
+
+    def one_node():
+        node_x.grad = None
+        _MergedLike.apply(node_x, node_gate).backward(dout)
+
+    node_variants = {"router-like + experts-like nodes, x grad summed by autograd": two_nodes,
+                     "one merged node, x grad summed inside": one_node}
+    if args.nodes:
+        router_variants, args.router = node_variants, args.nodes
     if args.steps:
         router_variants, args.router = step_variants, args.steps
     if args.thread_ops:

@@ -263,13 +263,7 @@ def permute_index(
                     f"probs must have experts' shape {tuple(experts.shape)}, got {tuple(probs.shape)}"
                 )
     _checks.check_same_device("tokens", tokens, experts=experts, probs=probs)
-    name = resolve_backend(backend, tokens.device)
-    _check_dtype(name, tokens.dtype)
-    if name == "cuda" and num_experts > CUDA_MAX_EXPERTS:
-        raise ValueError(
-            f"the cuda permute kernels handle at most {CUDA_MAX_EXPERTS} experts, got num_experts="
-            f"{num_experts}; use backend='torch'"
-        )
+    name = index_backend(backend, tokens, num_experts)
     if name == "reference" or _checks.debug_checks_enabled():
         _check_experts_in_range(experts, num_experts)
     experts = experts.contiguous()
@@ -279,6 +273,18 @@ def permute_index(
         experts, priority, num_experts, -1 if capacity is None else capacity, bool(pad_to_capacity), name
     )
     return row_id_map, m_splits, permuted_rows(num_tokens, top_k, num_experts, capacity, pad_to_capacity)
+
+
+def index_backend(backend: Optional[str], tokens: torch.Tensor, num_experts: int) -> str:
+    """The backend :func:`permute_index` runs for these tokens and experts, checked to take them."""
+    name = resolve_backend(backend, tokens.device)
+    _check_dtype(name, tokens.dtype)
+    if name == "cuda" and num_experts > CUDA_MAX_EXPERTS:
+        raise ValueError(
+            f"the cuda permute kernels handle at most {CUDA_MAX_EXPERTS} experts, got num_experts="
+            f"{num_experts}; use backend='torch'"
+        )
+    return name
 
 
 def source_rows(row_id_map: torch.Tensor, top_k: int, num_rows: int) -> torch.Tensor:
@@ -364,6 +370,7 @@ __all__ = [
     "unpermute",
     "expert_capacity",
     "permuted_rows",
+    "index_backend",
     "resolve_backend",
     "cuda_unavailable_reason",
 ]

@@ -76,14 +76,36 @@ def _(logits, lse, experts, counts, top_k, mode, scaling, grad_weights, grad_los
     return logits.new_empty(logits.shape[0], 2 * logits.shape[1], dtype=torch.bfloat16)
 
 
+def route_forward(x, weight, top_k: int, mode: int, scaling: float) -> tuple:
+    """The gate GEMM (float32 logits on tensor cores), then ``route_softmax``:
+    ``(logits, experts, counts, weights, lse, losses)``."""
+    logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    experts, counts, weights, lse, losses = ops.route_softmax(logits, top_k, mode, scaling)
+    return logits, experts, counts, weights, lse, losses
+
+
+def route_backward(saved: tuple, top_k: int, mode: int, scaling: float, grads: tuple, need_x: bool,
+                   need_weight: bool) -> tuple:
+    """``(grad_x, grad_weight)`` (None where not needed) of :func:`route_forward`.
+
+    ``saved``: ``(x, weight, logits, lse, experts, counts)``; ``grads``: the
+    gradients of the routing weights, the losses and the logits, each None
+    where no loss reached it.
+    """
+    x, weight, logits, lse, experts, counts = saved
+    halves = ops.route_softmax_backward(
+        logits, lse, experts, counts, top_k, mode, scaling, *(_contiguous(grad) for grad in grads)
+    )
+    return gate_grads_from_halves(halves, x, weight, need_x, need_weight)
+
+
 class SoftmaxRoute(torch.autograd.Function):
-    """The gate GEMM (float32 logits on tensor cores) then ``route_softmax``; backward through
-    ``route_softmax_backward`` and the gate GEMM's two bf16 GEMMs."""
+    """:func:`route_forward` as an autograd op, backward through :func:`route_backward`
+    (``route_softmax_backward`` and the gate GEMM's two bf16 GEMMs)."""
 
     @staticmethod
     def forward(ctx, x, weight, top_k: int, mode: int, scaling: float):
-        logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
-        experts, counts, weights, lse, losses = ops.route_softmax(logits, top_k, mode, scaling)
+        logits, experts, counts, weights, lse, losses = route_forward(x, weight, top_k, mode, scaling)
         ctx.save_for_backward(x, weight, logits, lse, experts, counts)
         ctx.top_k, ctx.mode, ctx.scaling = top_k, mode, scaling
         ctx.mark_non_differentiable(experts, counts)
@@ -92,15 +114,13 @@ class SoftmaxRoute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_weights, grad_losses, grad_logits, _experts, _counts):
-        x, weight, logits, lse, experts, counts = ctx.saved_tensors
         need_x, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_x or need_weight):
             return None, None, None, None, None
-        halves = ops.route_softmax_backward(
-            logits, lse, experts, counts, ctx.top_k, ctx.mode, ctx.scaling,
-            _contiguous(grad_weights), _contiguous(grad_losses), _contiguous(grad_logits),
+        grad_x, grad_weight = route_backward(
+            ctx.saved_tensors, ctx.top_k, ctx.mode, ctx.scaling, (grad_weights, grad_losses, grad_logits), need_x,
+            need_weight,
         )
-        grad_x, grad_weight = gate_grads_from_halves(halves, x, weight, need_x, need_weight)
         return grad_x, grad_weight, None, None, None
 
 
