@@ -1,4 +1,4 @@
-"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS] [--steps ROUNDS] [--nodes ROUNDS] [--profile-forward]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
+"""Usage: python tools/host_parts.py [--calls N] [--trace FILE] [--router ROUNDS] [--thread-ops ROUNDS] [--steps ROUNDS] [--nodes ROUNDS] [--profile-forward] [--profile-step]   (on the GPU machine; MOE_GROUPED_CORE_LIB for a carried core)
 
 Host and wall microseconds of the parts of one eager MoELayer step (T=256, H=1024, F=512, E=64, k=8, bf16,
 cuda, fused, one grouped weight), each issued ``--calls`` times back to back from an idle GPU
@@ -114,6 +114,9 @@ def main() -> None:
                              "in ROUNDS alternating rounds")
     parser.add_argument("--profile-forward", action="store_true",
                         help="only cProfile's top functions (own time) over 500 forwards with grad")
+    parser.add_argument("--profile-step", action="store_true",
+                        help="only cProfile's top functions (own time) over 300 steps, bf16 then in FP8 autocast, "
+                             "the backward on this thread (set_multithreading_enabled(False)) so that it is seen")
     args = parser.parse_args()
     layer = moe_grouped.MoELayer(H, F, E, K, dtype=torch.bfloat16, device="cuda", backend="cuda")
     x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -309,6 +312,30 @@ def main() -> None:
 
     step_variants = {"step": step, "step, backward on this thread (set_multithreading_enabled(False))":
                      step_on_this_thread, "step, router and experts as two ops (routed_experts off)": step_two_ops}
+    if args.profile_step:
+        import cProfile
+        import pstats
+
+        from moe_grouped import fp8
+
+        for recipe in (None, fp8.Float8BlockScaling()):
+            def profiled_step():
+                with fp8.fp8_autocast(recipe, enabled=recipe is not None), \
+                        torch.autograd.set_multithreading_enabled(False):
+                    step()
+
+            for _ in range(20):
+                profiled_step()
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(300):
+                profiled_step()
+            profiler.disable()
+            torch.cuda.synchronize()
+            print(f"==== {'FP8' if recipe else 'bf16'} step, 300 calls")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+        return
     if args.profile_forward:
         import cProfile
         import pstats

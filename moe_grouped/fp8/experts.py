@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import ops
 from ..activation import swiglu
 from ..permute import source_rows
 from . import gemm
@@ -81,7 +82,7 @@ class Fp8Stages:
         dyt = dyq.columnwise
         del dyq  # the row-wise copy, before the pass below
         dprob = g.new_empty(g.shape[0], dtype=torch.float32)
-        torch.ops.moe_grouped.swiglu_weighted_backward_(dh_u, g, w, m_splits, dprob, plan.activation_backend)
+        ops.swiglu_weighted_backward_(dh_u, g, w, m_splits, dprob, plan.activation_backend)
         return dyt, dh_u, dprob  # dh_u now holds wh
 
     def wgrad_input(self, plan, rows, m_splits):
