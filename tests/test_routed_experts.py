@@ -172,3 +172,16 @@ def _apply_one_op(layer, x):
         x, layer.router.weight, route, plan, stages, layer.experts.fc1._delayed, layer.experts.fc2._delayed,
         *layer.experts.fused_weights(),
     )
+
+
+@pytest.mark.gpu
+def test_gpu_one_op_on_no_tokens(monkeypatch):
+    """An empty batch: an empty output, empty and zero gradients, the two ops' bits."""
+    skip_without_cuda_kernels()
+    layer = _layer(aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dout = torch.zeros(0, 64, dtype=torch.bfloat16, device="cuda")
+    one_op, two_ops = _both_ways(monkeypatch, layer, x, dout)
+    _assert_same(one_op, two_ops, "no tokens")
+    assert one_op[0].shape == (0, 64) and one_op[7].shape == (0, 64)
+    assert int(layer.router.weight.grad.count_nonzero()) == 0
