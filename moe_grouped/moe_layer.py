@@ -84,7 +84,9 @@ class MoELayer(nn.Module):
             output and the routing weights for backward; None (default): fused
             where :attr:`GroupedMLP.experts_path` None would fuse (the ``cuda``
             backend in bfloat16/float16, no biases; inside ``fp8_autocast``
-            the fused op runs in FP8).
+            the fused op runs in FP8). Fused, with a router the softmax route
+            kernels take (bf16), the router runs in the same autograd op
+            (:mod:`moe_grouped.routed_experts`; the same results).
     """
 
     def __init__(
