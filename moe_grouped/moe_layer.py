@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module  # the global hooks nn.Module.__call__ runs
 
 from . import routed_experts
 from .mlp import GroupedMLP, SwiGLUMLP
@@ -34,6 +35,17 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, torch.ones(ctx.loss_shape, dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+def _called_plainly(module: nn.Module, kind: type) -> bool:
+    """Whether calling ``module`` would only run ``kind.forward``: no subclass, no hooks on it or on every
+    module. The layer may then run that forward inside one of its own ops without calling the module
+    (hooks of a user's, or FSDP's, must still see the call)."""
+    return type(module) is kind and not (
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+        or module._backward_pre_hooks or _module._global_forward_hooks or _module._global_forward_pre_hooks
+        or _module._global_backward_hooks or _module._global_backward_pre_hooks
+    )
 
 
 class MoELayer(nn.Module):
@@ -169,7 +181,8 @@ class MoELayer(nn.Module):
     def _routed_experts(self, tokens: torch.Tensor, is_first_microbatch: Optional[bool]):
         """``(out, routing)`` from the router and the experts as one autograd op
         (:mod:`moe_grouped.routed_experts`), or ``(None, None)`` where the two ops must run."""
-        if not routed_experts.enabled:
+        if not (routed_experts.enabled and _called_plainly(self.router, Router)
+                and type(self.experts).forward_tokens is GroupedMLP.forward_tokens):
             return None, None
         self.router.check_input(tokens)
         mode = self.router.fused_mode(tokens)

@@ -185,3 +185,26 @@ def test_gpu_one_op_on_no_tokens(monkeypatch):
     _assert_same(one_op, two_ops, "no tokens")
     assert one_op[0].shape == (0, 64) and one_op[7].shape == (0, 64)
     assert int(layer.router.weight.grad.count_nonzero()) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_hooks_on_the_router_keep_the_router_called(monkeypatch):
+    """A hook on the router module (a user's, or FSDP's) sees every call: the layer then calls the router
+    and runs the two ops, with the one op's results."""
+    skip_without_cuda_kernels()
+    layer = _layer(aux_loss_coeff=0.01)
+    x = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    dout = torch.randn(96, 64, dtype=torch.bfloat16, device="cuda")
+    one_op = _step(layer, x, dout)
+    seen = []
+    handle = layer.router.register_forward_hook(lambda module, args, out: seen.append(out.experts))
+    calls = []
+    apply = routed_experts.RoutedExpertsFunction.apply
+    monkeypatch.setattr(routed_experts.RoutedExpertsFunction, "apply", lambda *a: calls.append(1) or apply(*a))
+    try:
+        hooked = _step(layer, x, dout)
+    finally:
+        handle.remove()
+    assert len(seen) == 1 and not calls
+    _assert_same(one_op, hooked, "a hooked router")
+    assert torch.equal(seen[0], one_op[2])
