@@ -273,6 +273,13 @@ def forward(plan: Plan, sinks: Optional[Sinks], stages, tokens, probs, row_id_ma
     return y, g
 
 
+def weight_grads_needed(plan: Plan, needs: tuple, first_weight: int) -> tuple[bool, bool]:
+    """Whether fc1's and fc2's weight gradients are wanted, from an op's ``needs_input_grad`` whose weight
+    inputs (fc1's, then fc2's) start at ``first_weight``."""
+    fc2_first = first_weight + plan.num_fc1_weights
+    return any(needs[first_weight:fc2_first]), any(needs[fc2_first:])
+
+
 def backward(plan: Plan, sinks: Optional[Sinks], stages, delayed: tuple, needed: tuple, dout, tokens, probs,
              row_id_map, m_splits, g, weights) -> tuple:
     """The fused op's backward: ``(dx, dprobs, fc1's weight gradients, fc2's)``, None where not needed.
@@ -346,15 +353,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         tokens, probs, row_id_map, m_splits, g, *weights = saved = ctx.saved_tensors
         plan: Plan = ctx.plan
         needs = ctx.needs_input_grad
-        first_weight = 9  # tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed
-        needed = (
-            needs[0], needs[1], any(needs[first_weight : first_weight + plan.num_fc1_weights]),
-            any(needs[first_weight + plan.num_fc1_weights :]),
-        )
+        # The weights follow tokens, probs, row_id_map, m_splits, plan, sinks, stages, fc1_delayed, fc2_delayed.
+        needed = (needs[0], needs[1], *weight_grads_needed(plan, needs, 9))
         with direct_calls((dout, *saved, *_sink_tensors(ctx.sinks))):
             dx, dprobs, w1_grads, w2_grads = backward(
                 plan, ctx.sinks, ctx.stages, ctx.delayed, needed, dout, tokens, probs, row_id_map, m_splits, g,
                 weights,
             )
         return (dx, dprobs, None, None, None, None, None, None, None, *w1_grads, *w2_grads)
-

@@ -83,11 +83,10 @@ class RoutedExpertsFunction(torch.autograd.Function):
         route: Route = ctx.route
         plan: Plan = ctx.plan
         needs = ctx.needs_input_grad
-        first_weight = 7  # x, gate, route, plan, stages, fc1_delayed, fc2_delayed
         need_x, need_gate = needs[0], needs[1]
         router_needed = need_x or need_gate
-        fc1_needed = any(needs[first_weight : first_weight + plan.num_fc1_weights])
-        fc2_needed = any(needs[first_weight + plan.num_fc1_weights :])
+        # The weights follow x, gate, route, plan, stages, fc1_delayed, fc2_delayed.
+        fc1_needed, fc2_needed = fused_experts.weight_grads_needed(plan, needs, 7)
         grad_x = d_probs = None
         w1_grads, w2_grads = [None] * plan.num_fc1_weights, [None] * (len(weights) - plan.num_fc1_weights)
         with direct_calls((grad_out, grad_probs, grad_losses, grad_logits, *saved)):
