@@ -138,6 +138,28 @@ def test_wgrad(dtype, layout, shape, pattern):
             assert torch.equal(got[e], before[e]), f"{case}: empty expert {e} was modified"
 
 
+@pytest.mark.parametrize("layout", ["grouped", "separate"])
+def test_wgrad_zero_fills_empty_experts_past_the_setup_kernels_first_chunk(layout):
+    """The setup kernel zeroes dW of the experts without tokens as it scans m_splits in chunks of 1024
+    groups: with 1100 experts and tokens for four on both sides of the chunk boundary, every other
+    expert's dW (NaN before) must come back zero, and the four must match the oracle."""
+    num_experts, n, k = 1100, 64, 128
+    splits = [0] * num_experts
+    for expert, count in ((3, 40), (1023, 24), (1024, 8), (1099, 56)):
+        splits[expert] = count
+    total = sum(splits)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(total, k, generator=gen).to(torch.bfloat16).cuda()
+    dy = torch.randn(total, n, generator=gen).to(torch.bfloat16).cuda()
+    out = _wgrad_out(num_experts, n, k, torch.bfloat16, layout, float("nan"))
+    cuda_backend.wgrad(dy, x, torch.tensor(splits, dtype=torch.int64, device="cuda"), out, False)
+    got = torch.stack(_experts(out))
+    full = [e for e, count in enumerate(splits) if count]
+    _check(got[full], oracle_wgrad(dy, x, splits)[full], torch.bfloat16, f"wgrad {layout=}, experts with tokens")
+    empty = torch.tensor([count == 0 for count in splits], device="cuda")
+    assert torch.count_nonzero(got[empty]) == 0, f"{layout=}: an empty expert's dW is not zero"
+
+
 # The 128x256 tile without a cluster (fprop/dgrad into 16 bits), with a 2x1
 # cluster (fp32 outputs, wgrad, and the fallback where a configuration is not
 # built), and with a 2x1 cluster storing the tile in 128x64 pieces (bf16 wgrad

@@ -168,6 +168,30 @@ def test_dgrad_kernel_matches_reference(shape, pattern, fp8_dtype):
 
 @pytest.mark.gpu
 @kernels
+def test_wgrad_zero_fills_empty_groups_past_the_setup_kernels_first_chunk():
+    """As the 16-bit wgrad's test: 1100 groups, tokens for four on both sides of the setup kernel's first
+    1024-group chunk; the other groups' dW (NaN before) must come back zero."""
+    e, n, k = 1100, 128, 128
+    splits = [0] * e
+    for group, count in ((3, 40), (1023, 24), (1024, 8), (1099, 56)):
+        splits[group] = count
+    m = sum(splits)
+    dyt = pack_columnwise(rand(m, n, seed=12), splits, torch.float8_e4m3fn)
+    xt = pack_columnwise(rand(m, k, seed=13), splits, torch.float8_e4m3fn)
+    want = torch.zeros(e, n, k)
+    fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits), [want], total_rows=m, backend="reference")
+    got = torch.full((e, n, k), float("nan"), device="cuda")
+    fp8_gemm.grouped_wgrad_fp8(to(dyt, "cuda"), to(xt, "cuda"), torch.tensor(splits, device="cuda"), [got],
+                               total_rows=m)
+    for g, count in enumerate(splits):
+        if count:
+            assert_near(got[g].float(), want[g].double(), 2e-3, f"group {g}")
+    empty = torch.tensor([count == 0 for count in splits], device="cuda")
+    assert torch.count_nonzero(got[empty]) == 0, "an empty group's dW is not zero"
+
+
+@pytest.mark.gpu
+@kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)

@@ -35,7 +35,8 @@ __host__ __device__ inline GroupRows group_rows(int64_t before, int64_t count, i
 // read past the static buffer) and calls `visit(g, valid, offset, count)` on
 // every thread of the block once per chunk (valid: g < num_groups), so that
 // the visitor may itself run block-wide collectives. Must be called by all
-// kSetupThreads threads of the block.
+// kSetupThreads threads of the block. `offsets` may be NULL (a block that
+// only needs the visits: another block of the kernel writes them).
 template <typename SplitT, typename ChunkVisitor>
 __device__ void scan_split_chunks(const SplitT* m_splits, int num_groups, int64_t total_rows,
                                   int64_t* offsets, ChunkVisitor visit) {
@@ -51,13 +52,13 @@ __device__ void scan_split_chunks(const SplitT* m_splits, int num_groups, int64_
     int64_t chunk_total = 0;
     Scan(scan_storage).ExclusiveSum(raw, prefix, chunk_total);
     const GroupRows at = group_rows(carry + prefix, raw, total_rows);
-    if (g < num_groups) offsets[g] = at.start;
+    if (offsets != nullptr && g < num_groups) offsets[g] = at.start;
     visit(g, g < num_groups, at.start, g < num_groups ? at.count : int64_t{0});
     __syncthreads();
     if (threadIdx.x == 0) carry += chunk_total;
     __syncthreads();
   }
-  if (threadIdx.x == 0) offsets[num_groups] = carry < total_rows ? carry : total_rows;
+  if (offsets != nullptr && threadIdx.x == 0) offsets[num_groups] = carry < total_rows ? carry : total_rows;
 }
 
 // As scan_split_chunks, calling `visit(g, offset, count)` once per group.

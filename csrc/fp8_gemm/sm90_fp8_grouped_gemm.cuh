@@ -190,6 +190,7 @@ struct SetupParams {
   const typename G::ElementBias* bias;
   typename G::ElementD* out;
   Workspace<G> w;
+  gemm::sm90::SetupTail<G> tail;
 };
 
 template <class G>
@@ -214,9 +215,9 @@ __device__ void write_row_major_group(const SetupParams<G>& p, int g, int64_t st
   p.w.stride_d[g] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, gemm_n, 1});
 }
 
+// Block (0, 0): each group's shape, pointers (scales too) and strides.
 template <class G, class SplitT>
-__global__ void __launch_bounds__(kSetupThreads) fp8_gemm_setup(SetupParams<G> p) {
-  const auto* splits = static_cast<const SplitT*>(p.m_splits);
+__device__ void write_groups(const SetupParams<G>& p, const SplitT* splits) {
   if constexpr (G::kKind != MG_GEMM_WGRAD) {
     scan_splits(splits, p.num_groups, p.total_rows, p.w.offsets,
                 [&](int g, int64_t start, int64_t count) {
@@ -252,6 +253,15 @@ __global__ void __launch_bounds__(kSetupThreads) fp8_gemm_setup(SetupParams<G> p
   }
 }
 
+// One launch before the GEMM (gemm/sm90_grouped_gemm.cuh's setup kernel, with
+// this family's writer; no prebuilt D maps here).
+template <class G, class SplitT>
+__global__ void __launch_bounds__(kSetupThreads) fp8_gemm_setup(const __grid_constant__ SetupParams<G> p) {
+  const auto* splits = static_cast<const SplitT*>(p.m_splits);
+  if (gemm::sm90::first_setup_block()) write_groups<G>(p, splits);
+  gemm::sm90::zero_empty_groups(splits, p.num_groups, p.total_rows, p.tail);
+}
+
 // ---- launch --------------------------------------------------------------
 
 template <class G>
@@ -280,18 +290,22 @@ mg_status run(const Fp8GemmCall& call, cudaStream_t stream) {
   setup.bias = static_cast<const typename G::ElementBias*>(call.bias);
   setup.out = static_cast<ElementD*>(call.out);
   setup.w = w;
-  if (call.splits_dtype == MG_INT32) {
-    fp8_gemm_setup<G, int32_t><<<1, kSetupThreads, 0, stream>>>(setup);
-  } else {
-    fp8_gemm_setup<G, int64_t><<<1, kSetupThreads, 0, stream>>>(setup);
-  }
-  MG_CUDA_RETURN(cudaGetLastError());
 
   typename G::Gemm::Arguments args{};
   // The per-group scale layouts are derived from the problem shapes inside
   // the kernel; the layout arrays are not read.
   args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b, w.ptr_sfa, nullptr, w.ptr_sfb, nullptr};
-  return gemm::sm90::finish_launch<G>(args, w, call, device, stream);
+  return gemm::sm90::finish_launch<G>(
+      args, w, call, device, stream, [&](const gemm::sm90::SetupTail<G>& tail, dim3 grid) {
+        setup.tail = tail;
+        setup.tail.dw = {setup.dw_base, setup.dw_stride_bytes, setup.dw_ptrs};
+        if (call.splits_dtype == MG_INT32) {
+          fp8_gemm_setup<G, int32_t><<<grid, kSetupThreads, 0, stream>>>(setup);
+        } else {
+          fp8_gemm_setup<G, int64_t><<<grid, kSetupThreads, 0, stream>>>(setup);
+        }
+        return MG_OK;
+      });
 }
 
 template <class G>

@@ -250,6 +250,95 @@ size_t workspace_bytes(int num_groups, int sm_count) {
 }
 
 // ---- setup kernel --------------------------------------------------------
+//
+// One launch before the GEMM prepares everything it reads: block (0, 0)
+// writes the groups' shapes, pointers and strides (the family's writer) and
+// then, for G::kPrebuiltStore, each group's D map; for a wgrad that does not
+// accumulate, every block also zeroes its share of dW_e for the groups
+// without rows. (These were three launches: on an eager step each launch is
+// host time, docs/host-overhead.md.)
+
+// dW_e = base + e * stride_bytes, or ptrs[e].
+struct GroupOutputs {
+  const char* base;
+  int64_t stride_bytes;
+  const void* const* ptrs;
+
+  __device__ void* of(int g) const {
+    return const_cast<void*>(base != nullptr ? static_cast<const void*>(base + g * stride_bytes) : ptrs[g]);
+  }
+};
+
+// The setup kernel's work after the groups' arguments.
+template <class G>
+struct SetupTail {
+  // G::kPrebuiltStore: the GEMM's epilogue params (their template D map) and
+  // where each group's map goes; descriptors NULL: no maps.
+  std::conditional_t<G::kPrebuiltStore, typename G::CollectiveEpilogue::Params, char> epilogue;
+  cute::TmaDescriptor* descriptors;
+  // zero_vectors > 0: zero that many 16-byte vectors of each empty group's dW.
+  GroupOutputs dw;
+  int64_t zero_vectors;
+};
+
+// The setup kernel's grid: one block, or for the zero fill of a wgrad's
+// empty groups (row y of blocks takes groups y, y + rows, ...; the blocks of
+// a row split a group's dW) up to 16 x 8 blocks.
+inline dim3 setup_grid(int64_t zero_vectors, int num_groups) {
+  if (zero_vectors <= 0) return dim3(1, 1, 1);
+  constexpr int64_t kBlocksPerGroup = 16, kGroupRows = 8;
+  const int64_t blocks = (zero_vectors + kSetupThreads - 1) / kSetupThreads;
+  return dim3(static_cast<unsigned>(blocks < kBlocksPerGroup ? blocks : kBlocksPerGroup),
+              static_cast<unsigned>(num_groups < kGroupRows ? num_groups : kGroupRows), 1);
+}
+
+__device__ inline bool first_setup_block() { return blockIdx.x == 0 && blockIdx.y == 0; }
+
+// Block (0, 0), after its writer: each group's D map, one warp per group.
+template <class G>
+__device__ void build_store_maps(const SetupTail<G>& tail, const typename G::UnderlyingShape* shapes,
+                                 int num_groups) {
+  if constexpr (G::kPrebuiltStore) {
+    if (tail.descriptors == nullptr) return;
+    constexpr int kWarps = kSetupThreads / 32;
+    __shared__ alignas(128) cute::TmaDescriptor staged[kWarps];
+    __syncthreads();  // the writer's shapes, D pointers and strides are in global memory
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+    for (int g = warp; g < num_groups; g += kWarps) {
+      build_store_descriptor<typename G::CollectiveEpilogue>(tail.epilogue, shapes, g, tail.descriptors,
+                                                             staged[warp], lane);
+    }
+  }
+}
+
+// Every block: zeroes its share of dW_e for the groups without rows (their
+// GEMM has no tiles: M = 0). Each block scans m_splits itself, as the
+// setup's writer does (the same clamped counts), so no block waits for
+// another.
+template <class SplitT, class G>
+__device__ void zero_empty_groups(const SplitT* splits, int num_groups, int64_t total_rows, const SetupTail<G>& tail) {
+  if (tail.zero_vectors <= 0) return;
+  __shared__ int empty[kSetupThreads];
+  __shared__ int num_empty;
+  scan_split_chunks(splits, num_groups, total_rows, /*offsets=*/nullptr,
+                    [&](int g, bool valid, int64_t, int64_t count) {
+                      if (threadIdx.x == 0) num_empty = 0;
+                      __syncthreads();
+                      if (valid && count == 0 && g % static_cast<int>(gridDim.y) == static_cast<int>(blockIdx.y)) {
+                        empty[atomicAdd(&num_empty, 1)] = g;
+                      }
+                      __syncthreads();
+                      for (int i = 0; i < num_empty; ++i) {
+                        auto* out = static_cast<uint4*>(tail.dw.of(empty[i]));
+                        for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+                             v < tail.zero_vectors; v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+                          out[v] = make_uint4(0, 0, 0, 0);
+                        }
+                      }
+                      __syncthreads();  // num_empty is read until here
+                    });
+}
 
 template <class G>
 struct SetupParams {
@@ -271,13 +360,14 @@ struct SetupParams {
   bool gather_a;
   bool gather_b;
   Workspace<G> w;
+  SetupTail<G> tail;
 };
 
+// Block (0, 0): each group's shape, A, B and D pointers and strides.
 template <class G, class SplitT>
-__global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<G> p) {
+__device__ void write_groups(const SetupParams<G>& p, const SplitT* splits) {
   using Element = typename G::Element;
   using ElementD = typename G::ElementD;
-  const auto* splits = static_cast<const SplitT*>(p.m_splits);
   scan_splits(splits, p.num_groups, p.total_rows, p.w.offsets, [&](int g, int64_t start, int64_t count) {
     const int m = static_cast<int>(count);
     const int n = p.n;
@@ -317,20 +407,14 @@ __global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(SetupParams<
   });
 }
 
-// Writes zeros over dW_e of every group without tokens. Grid (x, y): CTA row y
-// checks groups y, y + gridDim.y, ..., so a few CTA rows cover many groups
-// (one row per group, whose CTAs mostly exit at once, was slower).
-template <class ElementD>
-__global__ void __launch_bounds__(256)
-    zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_d, int num_groups, int64_t vectors_per_group) {
-  for (int g = blockIdx.y; g < num_groups; g += gridDim.y) {
-    if (offsets[g + 1] != offsets[g]) continue;
-    auto* out = reinterpret_cast<uint4*>(ptr_d[g]);
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < vectors_per_group;
-         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-      out[i] = make_uint4(0, 0, 0, 0);
-    }
+template <class G, class SplitT>
+__global__ void __launch_bounds__(kSetupThreads) grouped_gemm_setup(const __grid_constant__ SetupParams<G> p) {
+  const auto* splits = static_cast<const SplitT*>(p.m_splits);
+  if (first_setup_block()) {
+    write_groups<G>(p, splits);
+    build_store_maps<G>(p.tail, p.w.shapes, p.num_groups);
   }
+  zero_empty_groups(splits, p.num_groups, p.total_rows, p.tail);
 }
 
 // ---- launch --------------------------------------------------------------
@@ -375,65 +459,18 @@ cudaError_t launch_kernel(typename G::Kernel::Params& params, cudaStream_t strea
   }
 }
 
-// Zeroes dW_e of every group without tokens: elements_per_group values of
-// ElementD from ptr_d[e] (a multiple of 16 bytes).
-template <class ElementD>
-mg_status launch_zero_empty_groups(const int64_t* offsets, ElementD* const* ptr_d,
-                                   int64_t elements_per_group, int num_groups,
-                                   cudaStream_t stream) {
-  int64_t vectors = elements_per_group * static_cast<int64_t>(sizeof(ElementD)) / 16;
-  int64_t blocks = (vectors + 255) / 256;
-  constexpr int kBlocksPerGroup = 64, kGroupRows = 8;  // at most 512 CTAs
-  dim3 grid(static_cast<unsigned>(blocks < kBlocksPerGroup ? (blocks > 0 ? blocks : 1) : kBlocksPerGroup),
-            static_cast<unsigned>(num_groups < kGroupRows ? num_groups : kGroupRows));
-  zero_empty_groups<ElementD><<<grid, 256, 0, stream>>>(offsets, ptr_d, num_groups, vectors);
-  MG_CUDA_RETURN(cudaGetLastError());
-  return MG_OK;
-}
-
-// Checks the arguments with CUTLASS, initialises its workspace, builds the
-// per-group D maps (G::kPrebuiltStore) and launches.
-template <class G>
-mg_status launch_gemm(const typename G::Gemm::Arguments& args, const Workspace<G>& w,
-                      cudaStream_t stream, int num_groups, int64_t n, int64_t k) {
-  void* gemm_workspace = w.gemm;
-  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
-    return fail(MG_ERROR_INTERNAL,
-                "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)", num_groups,
-                static_cast<long long>(n), static_cast<long long>(k));
-  }
-  cutlass::Status status = G::Kernel::initialize_workspace(args, gemm_workspace, stream);
-  if (status != cutlass::Status::kSuccess) {
-    return fail(MG_ERROR_INTERNAL, "CUTLASS could not initialise its grouped GEMM workspace: %s",
-                cutlassGetStatusString(status));
-  }
-  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, gemm_workspace);
-  if constexpr (G::kPrebuiltStore) {
-    if (args.epilogue.store_descriptors != nullptr) {
-      const int blocks = (num_groups + kBuildDescriptorWarps - 1) / kBuildDescriptorWarps;
-      build_store_descriptors<typename G::CollectiveEpilogue><<<blocks, kBuildDescriptorWarps * 32, 0, stream>>>(
-          params.epilogue, w.shapes, num_groups, w.store_descriptors);
-      MG_CUDA_RETURN(cudaGetLastError());
-    }
-  }
-  MG_CUDA_RETURN(launch_kernel<G>(params, stream));
-  return MG_OK;
-}
-
-// Everything after the setup kernel, for the 16-bit and FP8 kernels alike
-// (`call`: a GroupedGemmCall or an Fp8GemmCall; `args` has the mainloop's
-// arguments): the zero fill of the empty groups' dW (wgrad that does not
-// accumulate), the epilogue (fprop: D = acc + the group's bias, a NULL
-// pointer array reading as zeros; dgrad: D = acc; wgrad: D = acc + beta * C
-// with C = D = dW), the GEMM.
-template <class G, class Call>
+// Everything after the family's setup parameters, for the 16-bit and FP8
+// kernels alike (`call`: a GroupedGemmCall or an Fp8GemmCall; `args` has the
+// mainloop's arguments): the epilogue (fprop: D = acc + the group's bias, a
+// NULL pointer array reading as zeros; dgrad: D = acc; wgrad: D = acc +
+// beta * C with C = D = dW), CUTLASS's checks and params, then two launches:
+// `launch_setup(tail, grid)` (the family's setup kernel with the D maps and
+// the zero fill of the empty groups' dW, for a wgrad that does not
+// accumulate) and the GEMM.
+template <class G, class Call, class LaunchSetup>
 mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w, const Call& call, int device,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, LaunchSetup&& launch_setup) {
   using ElementD = typename G::ElementD;
-  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
-    MG_RETURN_IF_ERROR(launch_zero_empty_groups<ElementD>(w.offsets, w.ptr_d, call.n * call.k,
-                                                          call.num_groups, stream));
-  }
   args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
   args.problem_shape = {call.num_groups, w.shapes, nullptr};
   args.epilogue.ptr_D = w.ptr_d;
@@ -468,7 +505,32 @@ mg_status finish_launch(typename G::Gemm::Arguments& args, const Workspace<G>& w
   }
   args.hw_info.device_id = device;
   args.hw_info.sm_count = call.sm_count;
-  return launch_gemm<G>(args, w, stream, call.num_groups, call.n, call.k);
+
+  if (G::Gemm::can_implement(args) != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL, "CUTLASS rejected the grouped GEMM arguments (E=%d, n=%lld, k=%lld)",
+                call.num_groups, static_cast<long long>(call.n), static_cast<long long>(call.k));
+  }
+  cutlass::Status status = G::Kernel::initialize_workspace(args, w.gemm, stream);
+  if (status != cutlass::Status::kSuccess) {
+    return fail(MG_ERROR_INTERNAL, "CUTLASS could not initialise its grouped GEMM workspace: %s",
+                cutlassGetStatusString(status));
+  }
+  typename G::Kernel::Params params = G::Kernel::to_underlying_arguments(args, w.gemm);
+
+  SetupTail<G> tail{};
+  if constexpr (G::kPrebuiltStore) {
+    if (args.epilogue.store_descriptors != nullptr) {
+      tail.epilogue = params.epilogue;
+      tail.descriptors = w.store_descriptors;
+    }
+  }
+  if (G::kKind == MG_GEMM_WGRAD && !call.accumulate) {
+    tail.zero_vectors = call.n * call.k * static_cast<int64_t>(sizeof(ElementD)) / 16;
+  }
+  MG_RETURN_IF_ERROR(launch_setup(tail, setup_grid(tail.zero_vectors, call.num_groups)));
+  MG_CUDA_RETURN(cudaGetLastError());
+  MG_CUDA_RETURN(launch_kernel<G>(params, stream));
+  return MG_OK;
 }
 
 template <class G>
@@ -498,12 +560,6 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   setup.gather_a = call.gather_a.index != nullptr;
   setup.gather_b = call.gather_b.index != nullptr;
   setup.w = w;
-  if (call.splits_dtype == MG_INT32) {
-    grouped_gemm_setup<G, int32_t><<<1, kSetupThreads, 0, stream>>>(setup);
-  } else {
-    grouped_gemm_setup<G, int64_t><<<1, kSetupThreads, 0, stream>>>(setup);
-  }
-  MG_CUDA_RETURN(cudaGetLastError());
 
   typename G::Gemm::Arguments args{};
   if constexpr (G::kGathered) {
@@ -515,7 +571,17 @@ mg_status run(const GroupedGemmCall& call, cudaStream_t stream) {
   } else {
     args.mainloop = {w.ptr_a, w.stride_a, w.ptr_b, w.stride_b};
   }
-  return finish_launch<G>(args, w, call, device, stream);
+  return finish_launch<G>(args, w, call, device, stream, [&](const SetupTail<G>& tail, dim3 grid) {
+    setup.tail = tail;
+    // wgrad's dW is the "weight" operand (see the setup's writer).
+    setup.tail.dw = {setup.weight_base, setup.weight_stride_bytes, setup.weight_ptrs};
+    if (call.splits_dtype == MG_INT32) {
+      grouped_gemm_setup<G, int32_t><<<grid, kSetupThreads, 0, stream>>>(setup);
+    } else {
+      grouped_gemm_setup<G, int64_t><<<grid, kSetupThreads, 0, stream>>>(setup);
+    }
+    return MG_OK;
+  });
 }
 
 template <class G>

@@ -7,7 +7,7 @@
 // previous tile (the map it is about to overwrite is still in use), then
 // rewrites and fences the map, and only then starts the next tile's MMAs;
 // with fine-grained experts that happens at almost every tile. With one
-// read-only map per group, written by a small kernel just before the GEMM, the
+// read-only map per group, written by the setup kernel before the GEMM, the
 // stores of one tile overlap the next tile's MMAs as in a plain GEMM; the
 // results are bitwise the same. Everything else (C loads for wgrad's
 // accumulation, the fusion callbacks, the store itself) is the wrapped
@@ -22,7 +22,7 @@ namespace moe_grouped::gemm::sm90 {
 
 template <class Base>
 struct PrebuiltStoreEpilogue : Base {
-  // store_descriptors[g]: group g's D map, from build_store_descriptors.
+  // store_descriptors[g]: group g's D map, from build_store_descriptor.
   struct Arguments : Base::Arguments {
     cute::TmaDescriptor const* store_descriptors = nullptr;
   };
@@ -77,7 +77,7 @@ struct PrebuiltStoreEpilogue : Base {
     }
     const int group = static_cast<int>(cute::get<3>(tile_coord));
     cute::TmaDescriptor const* descriptor = descriptors_ + group;
-    // The maps were written through the generic proxy by the build kernel.
+    // The maps were written through the generic proxy by the setup kernel.
     if (group != acquired_group_) {
       cute::tma_descriptor_fence_acquire(descriptor);
       acquired_group_ = group;
@@ -91,39 +91,35 @@ struct PrebuiltStoreEpilogue : Base {
   int acquired_group_ = -1;
 };
 
-constexpr int kBuildDescriptorWarps = 4;
-
-// One warp per group: the epilogue's template D map (from its params) with
-// group g's address, shape (M_g, N) and strides, written to descriptors[g] --
-// the fields CUTLASS's in-kernel update replaces, computed the same way.
-// Groups without rows get a one-row shape: no tile reads their map.
+// Group g's D map, built by one warp (lane 0 computes, the whole warp
+// copies): the epilogue's template D map (from its params) with the group's
+// address, shape (M_g, N) and strides -- the fields CUTLASS's in-kernel
+// update replaces, computed the same way. Groups without rows get a one-row
+// shape: no tile reads their map. `staged` is this warp's 128-byte-aligned
+// shared slot; the setup kernel calls this once the groups' shapes, D
+// pointers and strides are in global memory.
 template <class Epilogue, class ProblemShapeMNK>
-__global__ void __launch_bounds__(kBuildDescriptorWarps * 32)
-    build_store_descriptors(const __grid_constant__ typename Epilogue::Params params, ProblemShapeMNK const* shapes,
-                            int num_groups, cute::TmaDescriptor* descriptors) {
+CUTLASS_DEVICE void build_store_descriptor(typename Epilogue::Params const& params, ProblemShapeMNK const* shapes,
+                                           int g, cute::TmaDescriptor* descriptors, cute::TmaDescriptor& staged,
+                                           int lane) {
   using ElementD = typename Epilogue::ElementD;
-  __shared__ alignas(128) cute::TmaDescriptor staged[kBuildDescriptorWarps];
-  const int warp = static_cast<int>(threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  for (int g = blockIdx.x * kBuildDescriptorWarps + warp; g < num_groups; g += gridDim.x * kBuildDescriptorWarps) {
-    if (lane == 0) {
-      staged[warp] = *params.tma_store_d.get_tma_descriptor();
-      const uint32_t m = static_cast<uint32_t>(cute::get<0>(shapes[g]));
-      const uint32_t n = static_cast<uint32_t>(cute::get<1>(shapes[g]));
-      cute::array<uint32_t, 5> dims = {1, 1, 1, 1, 1};
-      cute::array<uint64_t, 5> strides = {0, 0, 0, 0, 0};
-      auto d = cute::make_tensor(static_cast<ElementD const*>(nullptr),
-                                 cute::make_layout(cute::make_shape(m > 0 ? m : 1u, n, cute::Int<1>{}),
-                                                   params.dD[g]));
-      cute::detail::fill_tma_gmem_shape_stride(params.tma_store_d, d, dims, strides);
-      for (uint64_t& stride : strides) stride = stride * cute::sizeof_bits_v<ElementD> / 8;
-      cute::tma_descriptor_replace_addr_in_shared_mem(staged[warp], params.ptr_D[g]);
-      cute::tma_descriptor_replace_dims_strides_in_shared_mem(staged[warp], dims, strides);
-    }
-    __syncwarp();
-    cute::tma_descriptor_cp_fence_release(descriptors + g, staged[warp]);  // the whole warp
-    __syncwarp();
+  if (lane == 0) {
+    staged = *params.tma_store_d.get_tma_descriptor();
+    const uint32_t m = static_cast<uint32_t>(cute::get<0>(shapes[g]));
+    const uint32_t n = static_cast<uint32_t>(cute::get<1>(shapes[g]));
+    cute::array<uint32_t, 5> dims = {1, 1, 1, 1, 1};
+    cute::array<uint64_t, 5> strides = {0, 0, 0, 0, 0};
+    auto d = cute::make_tensor(static_cast<ElementD const*>(nullptr),
+                               cute::make_layout(cute::make_shape(m > 0 ? m : 1u, n, cute::Int<1>{}),
+                                                 params.dD[g]));
+    cute::detail::fill_tma_gmem_shape_stride(params.tma_store_d, d, dims, strides);
+    for (uint64_t& stride : strides) stride = stride * cute::sizeof_bits_v<ElementD> / 8;
+    cute::tma_descriptor_replace_addr_in_shared_mem(staged, params.ptr_D[g]);
+    cute::tma_descriptor_replace_dims_strides_in_shared_mem(staged, dims, strides);
   }
+  __syncwarp();
+  cute::tma_descriptor_cp_fence_release(descriptors + g, staged);  // the whole warp
+  __syncwarp();
 }
 
 }  // namespace moe_grouped::gemm::sm90
