@@ -252,8 +252,9 @@ def test_bad_capacity_arguments_are_refused(kwargs, error, message):
 @pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("policy", ["probs", "position"])
 @pytest.mark.parametrize("pad", [False, True], ids=["packed", "padded"])
-def test_gpu_backends_match_the_reference_with_dropping(dtype, routing, policy, pad):
-    tokens, hidden, num_experts, top_k = 1500, 96, 64, 4  # several 256-copy chunks
+@pytest.mark.parametrize("tokens", [700, 1500], ids=["one_cta", "four_kernels"])  # the index pass's two forms
+def test_gpu_backends_match_the_reference_with_dropping(dtype, routing, policy, pad, tokens):
+    hidden, num_experts, top_k = 96, 64, 4
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
     experts = make_experts(routing, tokens, top_k, num_experts, seed=5, device="cuda")
     probs = torch.randint(0, 8, (tokens, top_k), device="cuda").float() / 8  # many ties
@@ -263,16 +264,18 @@ def test_gpu_backends_match_the_reference_with_dropping(dtype, routing, policy, 
         reference = permute(x, experts, num_experts, backend="reference", **options)
         for backend in gpu_backends():
             check_backend_against_reference(backend, x, experts, num_experts, probs, dout, reference,
-                                            f"{backend=} {dtype=} {routing=} {policy=} {pad=} {factor=}", **options)
+                                            f"{backend=} {dtype=} {routing=} {policy=} {pad=} {factor=} {tokens=}",
+                                            **options)
 
 
 @pytest.mark.gpu
 def test_gpu_many_experts():
     """The cuda index kernels handle up to CUDA_MAX_EXPERTS experts and refuse more by name."""
-    tokens, hidden, top_k = 3000, 8, 2
-    x = torch.randn(tokens, hidden, device="cuda")
-    probs = torch.rand(tokens, top_k, device="cuda")
-    for num_experts in (1025, CUDA_MAX_EXPERTS):
+    hidden, top_k = 8, 2
+    # 512 and 513 experts over 2000 copies: the one-CTA index pass's largest E, and the four kernels.
+    for tokens, num_experts in ((1000, 512), (1000, 513), (3000, 1025), (3000, CUDA_MAX_EXPERTS)):
+        x = torch.randn(tokens, hidden, device="cuda")
+        probs = torch.rand(tokens, top_k, device="cuda")
         experts = make_experts("random", tokens, top_k, num_experts, seed=7, device="cuda")
         for options in (dict(), dict(probs=probs, capacity_factor=1.0), dict(capacity_factor=0.5, drop_policy="position")):
             expected = permute(x, experts, num_experts, backend="reference", **options)

@@ -10,6 +10,7 @@
 
 #include "core/device_guard.h"
 #include "core/error.h"
+#include "permute/permute.h"
 
 namespace moe_grouped {
 namespace {
@@ -196,10 +197,14 @@ mg_status mg_experts_backward_fc2(const mg_experts_backward_args* a, void* strea
   const mg_grouped_problem& p = a->problem;
   const int64_t copies = a->num_tokens * a->top_k;
   const Fc2Scratch s = carve_fc2(a->scratch, p.total_rows, a->hidden, a->ffn, p.dtype);
-  // Each copy's routing weight at its row (copy i is "token" i of one column); 0 where no copy is.
-  MG_RETURN_IF_ERROR(permute_into(a->probs, MG_FLOAT32, copies, 1, 1, true, a, s.row_weights, cuda_stream));
-  MG_RETURN_IF_ERROR(permute_into(a->dout, p.dtype, a->num_tokens, a->hidden, a->top_k, a->zero_unmapped != 0, a,
-                                  s.rows, cuda_stream));
+  // dy_u, and each copy's routing weight at its row (0 where no copy is) from the same launch: the values
+  // the two permute_rows calls of the Python stages write.
+  MG_CUDA_RETURN(cudaMemsetAsync(s.row_weights, 0, p.total_rows * sizeof(float), cuda_stream));
+  if (a->zero_unmapped != 0) {
+    MG_CUDA_RETURN(cudaMemsetAsync(s.rows, 0, p.total_rows * a->hidden * element_bytes(p.dtype), cuda_stream));
+  }
+  MG_RETURN_IF_ERROR(permute_rows_and_values(a->dout, p.dtype, a->num_tokens, a->hidden, a->top_k, a->row_id_map,
+                                             s.rows, a->probs, s.row_weights, cuda_stream));
   const mg_grouped_problem fc2 = gemm_problem(p, a->hidden, a->ffn, MG_SLOT_FPROP_DGRAD);
   MG_RETURN_IF_ERROR(mg_grouped_dgrad(&fc2, s.rows, a->w2, s.wh, p.dtype, stream));
   MG_RETURN_IF_ERROR(mg_swiglu_weighted_backward(s.wh, a->g, s.row_weights, p.m_splits, p.splits_dtype,

@@ -27,6 +27,7 @@
 #include "core/elementwise.cuh"
 #include "core/error.h"
 #include "core/workspace.h"
+#include "permute/permute.h"
 
 namespace moe_grouped {
 namespace {
@@ -168,6 +169,82 @@ __global__ void __launch_bounds__(kChunk)
   row_id_map[i] = rank < capacity ? static_cast<int64_t>(out_base[e]) + rank : -1;
 }
 
+// The whole count -> scan -> position pass in one CTA, for at most
+// kSmallMaxCopies copies and kSmallMaxExperts experts (eager steps of a few
+// hundred tokens, where each launch of the four-kernel pass costs the host
+// more than its work: docs/host-overhead.md). The experts are scanned as
+// expert_scan_kernel scans them, then the copies are ranked in chunks of
+// kSmallThreads in copy order, as position_kernel ranks them, with a running
+// count per expert in place of the chunk scan: row_id_map, m_splits and
+// starts are the four kernels' exactly. row_id_map NULL: no positions.
+constexpr int kSmallThreads = 1024;
+constexpr int kSmallWarps = kSmallThreads / 32;
+constexpr int64_t kSmallMaxCopies = 4096;
+constexpr int kSmallMaxExperts = 512;  // 16 KiB of per-warp counts
+
+template <typename IndexT>
+__global__ void __launch_bounds__(kSmallThreads)
+    small_index_kernel(const IndexT* __restrict__ experts, const uint8_t* __restrict__ keep, int64_t n,
+                       int num_experts, int32_t capacity, int pad_to_capacity, int32_t* __restrict__ starts,
+                       int64_t* __restrict__ m_splits, int64_t* __restrict__ row_id_map) {
+  using Scan = cub::BlockScan<int32_t, kSmallThreads>;
+  __shared__ typename Scan::TempStorage storage;
+  __shared__ int32_t seen[kSmallMaxExperts];      // copies of each expert: all, then those ranked so far
+  __shared__ int32_t out_base[kSmallMaxExperts];  // first row of each expert's block
+  __shared__ uint8_t warp_counts[kSmallWarps * kSmallMaxExperts];
+  const int tid = static_cast<int>(threadIdx.x);
+  for (int e = tid; e < num_experts; e += kSmallThreads) seen[e] = 0;
+  __syncthreads();
+  for (int64_t i = tid; i < n; i += kSmallThreads) {
+    const int e = load_expert(experts, keep, i, n, num_experts);
+    if (e >= 0) atomicAdd(&seen[e], 1);  // integer counts: order does not matter
+  }
+  __syncthreads();
+  // num_experts <= kSmallThreads: thread e scans expert e.
+  const int32_t count = tid < num_experts ? seen[tid] : 0;
+  int32_t prefix = 0, total = 0;
+  Scan(storage).ExclusiveSum(count, prefix, total);
+  if (tid < num_experts) starts[tid + 1] = prefix + count;
+  if (tid == 0) starts[0] = 0;
+  __syncthreads();  // the scan storage is reused
+  const int32_t kept = tid < num_experts ? min(count, capacity) : 0;
+  Scan(storage).ExclusiveSum(kept, prefix, total);
+  if (tid < num_experts) {
+    out_base[tid] = pad_to_capacity ? tid * capacity : prefix;
+    m_splits[tid] = pad_to_capacity ? capacity : kept;
+    seen[tid] = 0;
+  }
+  if (row_id_map == nullptr) return;
+  const int warp = tid / 32, lane = tid % 32;
+  for (int64_t chunk = 0; chunk < n; chunk += kSmallThreads) {
+    for (int j = tid; j < kSmallWarps * num_experts; j += kSmallThreads) warp_counts[j] = 0;
+    __syncthreads();
+    const int64_t i = chunk + tid;
+    const int e = load_expert(experts, keep, i, n, num_experts);
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    const unsigned lower = peers & ((1u << lane) - 1u);
+    int rank = __popc(lower);
+    if (e >= 0 && lower == 0) warp_counts[warp * num_experts + e] = static_cast<uint8_t>(__popc(peers));
+    __syncthreads();
+    if (i < n) {
+      if (e < 0) {
+        row_id_map[i] = -1;
+      } else {
+        for (int w = 0; w < warp; ++w) rank += warp_counts[w * num_experts + e];
+        rank += seen[e];
+        row_id_map[i] = rank < capacity ? static_cast<int64_t>(out_base[e]) + rank : -1;
+      }
+    }
+    __syncthreads();  // every rank read seen[] before it moves on
+    for (int e2 = tid; e2 < num_experts; e2 += kSmallThreads) {
+      int32_t add = 0;
+      for (int w = 0; w < kSmallWarps; ++w) add += warp_counts[w * num_experts + e2];
+      seen[e2] += add;
+    }
+    __syncthreads();  // before the next chunk clears warp_counts and reads seen[]
+  }
+}
+
 // Sort key of copy i: the expert in the high 32 bits (num_experts for an index
 // outside [0, num_experts): sorted last), the probability descending in the
 // low 32 (-0.0 counts as +0.0). Value: the copy index.
@@ -225,11 +302,13 @@ __device__ inline void load_step(const P* __restrict__ src, int64_t base, int la
   }
 }
 
-// permuted[row_id_map[t * top_k + j]] = x[t]; one warp per copy.
+// permuted[row_id_map[t * top_k + j]] = x[t]; one warp per copy. With
+// copy_values (else NULL), also row_values[row] = copy_values[copy].
 template <typename T, int V>
 __global__ void __launch_bounds__(kRowThreads)
     permute_rows_kernel(const T* __restrict__ x, int64_t n, int64_t hidden, int top_k,
-                        const int64_t* __restrict__ row_id_map, T* __restrict__ permuted) {
+                        const int64_t* __restrict__ row_id_map, T* __restrict__ permuted,
+                        const float* __restrict__ copy_values, float* __restrict__ row_values) {
   using P = Pack<T, V>;
   const int64_t copy = warp_row();
   if (copy >= n) return;
@@ -239,6 +318,7 @@ __global__ void __launch_bounds__(kRowThreads)
   P* dst = reinterpret_cast<P*>(permuted + row * hidden);
   const int64_t vectors = hidden / V;
   const int lane = threadIdx.x % 32;
+  if (copy_values != nullptr && lane == 0) row_values[row] = copy_values[copy];
   for (int64_t base = 0; base < vectors; base += 32 * kUnroll) {
     P v[kUnroll];
     load_step(src, base, lane, vectors, v);
@@ -358,11 +438,13 @@ constexpr int64_t kNarrowRow = 8;
 template <typename T>
 __global__ void __launch_bounds__(kElementThreads)
     permute_narrow_rows_kernel(const T* __restrict__ x, int64_t n, int64_t hidden, int top_k,
-                               const int64_t* __restrict__ row_id_map, T* __restrict__ permuted) {
+                               const int64_t* __restrict__ row_id_map, T* __restrict__ permuted,
+                               const float* __restrict__ copy_values, float* __restrict__ row_values) {
   const int64_t copy = static_cast<int64_t>(blockIdx.x) * kElementThreads + threadIdx.x;
   if (copy >= n) return;
   const int64_t row = row_id_map[copy];
   if (row < 0) return;
+  if (copy_values != nullptr) row_values[row] = copy_values[copy];
   const T* src = x + (copy / top_k) * hidden;
   T* dst = permuted + row * hidden;
   for (int64_t h = 0; h < hidden; ++h) dst[h] = src[h];
@@ -455,6 +537,12 @@ mg_status launch_count_scan_position(const IndexT* experts, const uint8_t* keep,
                                      int num_chunks, int32_t capacity, int pad_to_capacity, bool positions,
                                      const IndexScratch& s, int64_t* row_id_map, int64_t* m_splits,
                                      cudaStream_t stream) {
+  if (n <= kSmallMaxCopies && num_experts <= kSmallMaxExperts) {
+    small_index_kernel<<<1, kSmallThreads, 0, stream>>>(experts, keep, n, num_experts, capacity, pad_to_capacity,
+                                                        s.starts, m_splits, positions ? row_id_map : nullptr);
+    MG_CUDA_RETURN(cudaGetLastError());
+    return MG_OK;
+  }
   const size_t hist_bytes = sizeof(int32_t) * num_experts;
   const size_t warp_bytes = sizeof(uint8_t) * kWarps * num_experts;
   count_kernel<<<num_chunks, kChunk, hist_bytes, stream>>>(experts, keep, n, num_experts, num_chunks, s.counts);
@@ -580,34 +668,40 @@ extern "C" mg_status mg_permute_index_capacity(const void* experts, mg_dtype exp
   return ok();
 }
 
-extern "C" mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
-                                     int top_k, const int64_t* row_id_map, void* permuted, void* stream) {
-  MG_ENTER_DEVICE_OF(permuted);
+mg_status moe_grouped::permute_rows_and_values(const void* x, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
+                                               int top_k, const int64_t* row_id_map, void* permuted,
+                                               const float* copy_values, float* row_values, cudaStream_t stream) {
   MG_RETURN_IF_ERROR(check_float_dtype("x", dtype));
   MG_RETURN_IF_ERROR(check_rows(num_tokens, hidden, top_k));
   const int64_t n = num_tokens * top_k;
   if (n == 0 || hidden == 0) return ok();
-  if (x == nullptr || row_id_map == nullptr || permuted == nullptr) {
+  if (x == nullptr || row_id_map == nullptr || permuted == nullptr || (copy_values != nullptr && row_values == nullptr)) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "x, row_id_map and permuted must be device pointers, got NULL");
   }
-  auto cuda_stream = static_cast<cudaStream_t>(stream);
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     const unsigned grid = row_grid(n);
     if (hidden <= kNarrowRow) {
-      permute_narrow_rows_kernel<T><<<element_grid(n), kElementThreads, 0, cuda_stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted));
+      permute_narrow_rows_kernel<T><<<element_grid(n), kElementThreads, 0, stream>>>(
+          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
     } else if (rows_are_16_byte_aligned<T>(hidden, {x, permuted})) {
-      permute_rows_kernel<T, V><<<grid, kRowThreads, 0, cuda_stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted));
+      permute_rows_kernel<T, V><<<grid, kRowThreads, 0, stream>>>(
+          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
     } else {
-      permute_rows_kernel<T, 1><<<grid, kRowThreads, 0, cuda_stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted));
+      permute_rows_kernel<T, 1><<<grid, kRowThreads, 0, stream>>>(
+          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
     }
   });
   MG_CUDA_RETURN(cudaGetLastError());
   return ok();
+}
+
+extern "C" mg_status mg_permute_rows(const void* x, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
+                                     int top_k, const int64_t* row_id_map, void* permuted, void* stream) {
+  MG_ENTER_DEVICE_OF(permuted);
+  return permute_rows_and_values(x, dtype, num_tokens, hidden, top_k, row_id_map, permuted, nullptr, nullptr,
+                                 static_cast<cudaStream_t>(stream));
 }
 
 extern "C" mg_status mg_unpermute_rows(const void* y, mg_dtype dtype, int64_t num_tokens, int64_t hidden,
