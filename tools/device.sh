@@ -22,7 +22,8 @@
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
 #   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
 #              (tools/old_tree.sh COMMIT; carry it; a libmoe_grouped_core.so copied there is
-#              the old package's core), three alternating processes each
+#              the old package's core), HOST_AB_PAIRS alternating pairs of processes (default 3),
+#              then the median after/before ratio per case
 # Logs and results go to $OUT (at most 8 files come back).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -125,8 +126,10 @@ for phase in "$@"; do
       TAIL=40 run parts python3 tools/host_parts.py ${PARTS_ARGS:---trace "$OUT/step_trace.json"} ;;
     host-ab)
       # Host times of an older package (.devbuild/before, from tools/old_tree.sh) against the
-      # working tree's, in alternating processes (one process's times drift 20-40% from another's).
-      for i in 1 2 3; do
+      # working tree's, in alternating processes (one process's times drift 20-40% from another's):
+      # HOST_AB_PAIRS pairs (default 3) of HOST_AB_ROUNDS rounds each (default 5), then per case the
+      # median of the pairs' after/before ratios.
+      for ((i = 1; i <= ${HOST_AB_PAIRS:-3}; i++)); do
         for tree in after before; do
           runner=""; lib=$MOE_GROUPED_CORE_LIB
           if [ "$tree" = before ]; then
@@ -134,11 +137,12 @@ for phase in "$@"; do
             # A core copied beside the old package (its build) is the one it runs with.
             [ -f .devbuild/before/libmoe_grouped_core.so ] && lib=$PWD/.devbuild/before/libmoe_grouped_core.so
           fi
-          MOE_GROUPED_CORE_LIB=$lib timeout -k 10 "${RUN_TIMEOUT:-300}" python3 $runner benchmarks/host_overhead.py --no-write --rounds 5 \
+          MOE_GROUPED_CORE_LIB=$lib timeout -k 10 "${RUN_TIMEOUT:-300}" python3 $runner benchmarks/host_overhead.py --no-write --rounds "${HOST_AB_ROUNDS:-5}" \
             --cases "${HOST_AB_CASES:-moe_layer_cuda_fused}" > /tmp/host_ab.log 2>&1 || tail -5 /tmp/host_ab.log
           grep -E " host .* ms" /tmp/host_ab.log | sed "s/^/$tree $i: /" >> "$OUT/host_ab.log"
         done
       done
+      python3 tools/ab_ratios.py "$OUT/host_ab.log" >> "$OUT/host_ab.log"
       cat "$OUT/host_ab.log" ;;
     host)
       TAIL=60 run host python3 benchmarks/host_overhead.py ${HOST_ARGS:-}
