@@ -99,13 +99,17 @@ mg_grouped_problem gemm_problem(const mg_grouped_problem& base, int64_t n, int64
   return p;
 }
 
-// permute_rows into `out` [R, cols], zeroed first when `zero`.
-mg_status permute_into(const void* x, mg_dtype dtype, int64_t num_sources, int64_t cols, int top_k, bool zero,
-                       const mg_experts_backward_args* a, void* out, cudaStream_t stream) {
-  if (zero) {
-    MG_CUDA_RETURN(cudaMemsetAsync(out, 0, a->problem.total_rows * cols * element_bytes(dtype), stream));
+// The token rows of `x` [T, H] into `out` [R, H] through the routing index,
+// zeroed first when rows no copy maps to exist; with copy_values (else
+// NULL), each copy's value also goes to row_values at its row.
+mg_status permute_tokens_into(const void* x, const mg_experts_backward_args* a, void* out, const float* copy_values,
+                              float* row_values, cudaStream_t stream) {
+  const mg_grouped_problem& p = a->problem;
+  if (a->zero_unmapped != 0) {
+    MG_CUDA_RETURN(cudaMemsetAsync(out, 0, p.total_rows * a->hidden * element_bytes(p.dtype), stream));
   }
-  return mg_permute_rows(x, dtype, num_sources, cols, top_k, a->row_id_map, out, stream);
+  return permute_rows_and_values(x, p.dtype, a->num_tokens, a->hidden, a->top_k, a->row_id_map, out, copy_values,
+                                 row_values, stream);
 }
 
 }  // namespace
@@ -200,11 +204,7 @@ mg_status mg_experts_backward_fc2(const mg_experts_backward_args* a, void* strea
   // dy_u, and each copy's routing weight at its row (0 where no copy is) from the same launch: the values
   // the two permute_rows calls of the Python stages write.
   MG_CUDA_RETURN(cudaMemsetAsync(s.row_weights, 0, p.total_rows * sizeof(float), cuda_stream));
-  if (a->zero_unmapped != 0) {
-    MG_CUDA_RETURN(cudaMemsetAsync(s.rows, 0, p.total_rows * a->hidden * element_bytes(p.dtype), cuda_stream));
-  }
-  MG_RETURN_IF_ERROR(permute_rows_and_values(a->dout, p.dtype, a->num_tokens, a->hidden, a->top_k, a->row_id_map,
-                                             s.rows, a->probs, s.row_weights, cuda_stream));
+  MG_RETURN_IF_ERROR(permute_tokens_into(a->dout, a, s.rows, a->probs, s.row_weights, cuda_stream));
   const mg_grouped_problem fc2 = gemm_problem(p, a->hidden, a->ffn, MG_SLOT_FPROP_DGRAD);
   MG_RETURN_IF_ERROR(mg_grouped_dgrad(&fc2, s.rows, a->w2, s.wh, p.dtype, stream));
   MG_RETURN_IF_ERROR(mg_swiglu_weighted_backward(s.wh, a->g, s.row_weights, p.m_splits, p.splits_dtype,
@@ -238,8 +238,7 @@ mg_status mg_experts_backward_fc1(const mg_experts_backward_args* a, void* strea
     if (a->tokens == nullptr) {
       return fail(MG_ERROR_INVALID_ARGUMENT, "mg_experts_backward_fc1: tokens must be a device pointer");
     }
-    MG_RETURN_IF_ERROR(permute_into(a->tokens, p.dtype, a->num_tokens, a->hidden, a->top_k, a->zero_unmapped != 0, a,
-                                    rows, cuda_stream));
+    MG_RETURN_IF_ERROR(permute_tokens_into(a->tokens, a, rows, nullptr, nullptr, cuda_stream));
     const mg_grouped_problem wgrad = gemm_problem(p, 2 * a->ffn, a->hidden, MG_SLOT_WGRAD);
     const mg_group_operand dw1{a->dw1, 2 * a->ffn * a->hidden, nullptr};
     MG_RETURN_IF_ERROR(mg_grouped_wgrad(&wgrad, a->g, rows, dw1, p.dtype, /*accumulate=*/0, stream));

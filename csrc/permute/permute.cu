@@ -675,22 +675,27 @@ mg_status moe_grouped::permute_rows_and_values(const void* x, mg_dtype dtype, in
   MG_RETURN_IF_ERROR(check_rows(num_tokens, hidden, top_k));
   const int64_t n = num_tokens * top_k;
   if (n == 0 || hidden == 0) return ok();
-  if (x == nullptr || row_id_map == nullptr || permuted == nullptr || (copy_values != nullptr && row_values == nullptr)) {
+  if (x == nullptr || row_id_map == nullptr || permuted == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "x, row_id_map and permuted must be device pointers, got NULL");
+  }
+  if (copy_values != nullptr && row_values == nullptr) {
+    return fail(MG_ERROR_INVALID_ARGUMENT, "row_values must be a device pointer where copy_values is, got NULL");
   }
   with_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     constexpr int V = 16 / sizeof(T);
     const unsigned grid = row_grid(n);
+    const auto* src = static_cast<const T*>(x);
+    auto* dst = static_cast<T*>(permuted);
     if (hidden <= kNarrowRow) {
       permute_narrow_rows_kernel<T><<<element_grid(n), kElementThreads, 0, stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
+          src, n, hidden, top_k, row_id_map, dst, copy_values, row_values);
     } else if (rows_are_16_byte_aligned<T>(hidden, {x, permuted})) {
-      permute_rows_kernel<T, V><<<grid, kRowThreads, 0, stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
+      permute_rows_kernel<T, V><<<grid, kRowThreads, 0, stream>>>(src, n, hidden, top_k, row_id_map, dst,
+                                                                   copy_values, row_values);
     } else {
-      permute_rows_kernel<T, 1><<<grid, kRowThreads, 0, stream>>>(
-          static_cast<const T*>(x), n, hidden, top_k, row_id_map, static_cast<T*>(permuted), copy_values, row_values);
+      permute_rows_kernel<T, 1><<<grid, kRowThreads, 0, stream>>>(src, n, hidden, top_k, row_id_map, dst,
+                                                                   copy_values, row_values);
     }
   });
   MG_CUDA_RETURN(cudaGetLastError());
