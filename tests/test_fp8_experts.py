@@ -216,6 +216,35 @@ def test_fp8_fused_deferred_and_fused_wgrad_give_the_same_bits():
         assert torch.equal(w.main_grad.to(e.dtype), e), "fused accumulation differs from the plain weight gradient"
 
 
+def test_fp8_fused_makes_the_routing_index_once_per_step(monkeypatch):
+    """The forward's index (each permuted row's token) serves the backward's two gathered quantizations; the
+    results are those of an index made at each use."""
+    from moe_grouped.fp8 import experts as fp8_experts
+
+    torch.manual_seed(8)
+    layer = MoELayer(H, I, E, TOP_K, capacity_factor=0.5, dtype=torch.bfloat16, backend="reference",
+                     experts_path="fused")
+    x, dout = torch.randn(30, H, dtype=torch.bfloat16), torch.randn(30, H, dtype=torch.bfloat16)
+    made = []
+
+    def counted(*args, **kwargs):
+        made.append(args)
+        return source_rows(*args, **kwargs)
+
+    source_rows = fp8_experts.source_rows
+    monkeypatch.setattr(fp8_experts, "source_rows", counted)
+    kept = run_layer(layer, x, dout, RECIPES["E4M3"])
+    assert len(made) == 1, f"the routing index was made {len(made)} times in one step"
+    # An index that is never kept: made at each use, as before.
+    monkeypatch.setattr(fp8_experts.Fp8Stages, "_kept_index", property(lambda self: None, lambda self, value: None),
+                        raising=False)
+    made.clear()
+    remade = run_layer(layer, x, dout, RECIPES["E4M3"])
+    assert len(made) == 3
+    for a, b in zip(kept, remade):
+        assert torch.equal(a, b)
+
+
 def test_fp8_fused_weight_reuse_across_micro_batches():
     torch.manual_seed(7)
     layer = MoELayer(H, I, E, TOP_K, dtype=torch.bfloat16, backend="reference", experts_path="fused")

@@ -235,6 +235,13 @@ def test_recipe_formats_and_validation():
         fp8.Float8BlockScaling(fp8_format="E5M2")
     with pytest.raises(ValueError, match="amax_epsilon"):
         fp8.Float8BlockScaling(amax_epsilon=-1.0)
+    # Checked here once: the FP8 experts' stages pass the recipe's options to the quantizers unchecked.
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        fp8.Float8BlockScaling(amax_epsilon=float("inf"))
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        fp8.Float8BlockScaling(amax_epsilon="0")
+    with pytest.raises(TypeError, match="pow2_scales"):
+        fp8.Float8BlockScaling(pow2_scales=1)
 
 
 def test_autocast_nests_and_restores():

@@ -335,6 +335,7 @@ def main() -> None:
             torch.cuda.synchronize()
             print(f"==== {'FP8' if recipe else 'bf16'} step, 300 calls")
             pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(60)
         return
     if args.profile_forward:
         import cProfile

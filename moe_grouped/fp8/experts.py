@@ -33,52 +33,76 @@ import torch
 from .._ops import ops
 from ..activation import swiglu
 from ..permute import source_rows
-from . import gemm
 from .linear import WeightCache, param_grads, quantize_weights
-from .quantize import quantize_gathered, quantize_rowwise, swiglu_quantize_rowwise
-from .quantize_reference import WeightQuantized
-from .recipe import Float8BlockScaling
+from .quantize import new_block, quantize_rows, quantize_rowwise
+from .quantize_reference import BlockQuantized, WeightQuantized
+from .recipe import BLOCK, Float8BlockScaling
 
 
 class Fp8Stages:
     """One forward's FP8 state: the recipe and the quantized weights.
 
     Made per call by :func:`stages_for`; the autograd op keeps it for backward.
+    The stages call the quantizers and GEMMs past their public checks: every
+    operand here is made by the op or checked by the layer and the recipe.
     """
 
     def __init__(self, recipe: Float8BlockScaling, backend: str, w1: WeightQuantized, w2: WeightQuantized):
         self.recipe = recipe
         self.backend = backend
         self.w1, self.w2 = w1, w2
+        # (row_id_map, its index) from the forward, which its backward reads again (same map, same index).
+        self._kept_index: Optional[tuple] = None
 
     def _quantize(self, x, index, dtype, m_splits=None, *, rowwise=True):
-        return quantize_gathered(x, index, dtype, self.recipe.pow2_scales, self.recipe.amax_epsilon,
-                                 m_splits=m_splits, rowwise=rowwise, backend=self.backend)
+        recipe = self.recipe
+        return quantize_rows(x, index, dtype, recipe.pow2_scales, float(recipe.amax_epsilon), m_splits, rowwise,
+                             self.backend)
 
-    @staticmethod
-    def _index(plan, row_id_map) -> Optional[torch.Tensor]:
-        """Each permuted row's token (routed), None for permuted input. Made again where needed, not kept
-        on this object: a tensor set on it in forward would be a side effect torch.compile refuses."""
-        return source_rows(row_id_map, plan.top_k, plan.num_rows) if plan.routed else None
+    def _index(self, plan, row_id_map) -> Optional[torch.Tensor]:
+        """Each permuted row's token (routed), None for permuted input.
+
+        Made in forward and kept for backward in eager code. Under torch.compile
+        made again where needed: a tensor set on this object in forward would be
+        a side effect the compiler refuses.
+        """
+        if not plan.routed:
+            return None
+        kept = self._kept_index
+        if kept is not None and kept[0] is row_id_map:
+            return kept[1]
+        index = source_rows(row_id_map, plan.top_k, plan.num_rows)
+        if not torch.compiler.is_compiling():
+            self._kept_index = (row_id_map, index)
+        return index
+
+    def _fprop(self, xq: BlockQuantized, w: BlockQuantized, m_splits) -> torch.Tensor:
+        return ops.fp8_grouped_fprop(xq.data, xq.scale_inv, w.data, w.scale_inv, m_splits, None, self.backend)
+
+    def _dgrad(self, dyq: BlockQuantized, wt: BlockQuantized, m_splits) -> torch.Tensor:
+        return ops.fp8_grouped_dgrad(dyq.data, dyq.scale_inv, wt.data, wt.scale_inv, m_splits, self.backend)
 
     def fc1_swiglu(self, plan, tokens, row_id_map, m_splits, w1):
         xq = self._quantize(tokens, self._index(plan, row_id_map), self.recipe.forward_dtype).rowwise
-        g = gemm.grouped_fprop_fp8(xq, self.w1.w, m_splits, backend=self.backend)
+        g = self._fprop(xq, self.w1.w, m_splits)
         del xq
         recipe = self.recipe
         if plan.activation_backend == self.backend:  # cuda with cuda, or the references
-            return g, swiglu_quantize_rowwise(g, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon,
-                                              backend=self.backend)
+            rows, ffn = g.shape[0], g.shape[1] // 2
+            hq = new_block((rows, ffn), (rows, -(-ffn // BLOCK)), recipe.forward_dtype, g.device)
+            ops.fp8_quantize_rowwise_(g, recipe.forward_dtype, recipe.pow2_scales, float(recipe.amax_epsilon),
+                                      hq.data, hq.scale_inv, self.backend, True)
+            return g, hq
         h = swiglu(g, backend=plan.activation_backend)
         return g, quantize_rowwise(h, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon)
 
     def fc2(self, plan, h, m_splits, w2) -> torch.Tensor:
-        return gemm.grouped_fprop_fp8(h, self.w2.w, m_splits, backend=self.backend)
+        return self._fprop(h, self.w2.w, m_splits)
 
     def dgrad_swiglu_(self, plan, dout, row_id_map, m_splits, g, w, w2):
         index = self._index(plan, row_id_map)
         dyq = self._quantize(dout.to(g.dtype).contiguous(), index, self.recipe.backward_dtype, m_splits)
-        dh_u = gemm.grouped_dgrad_fp8(dyq.rowwise, self.w2.wt, m_splits, backend=self.backend)
+        dh_u = self._dgrad(dyq.rowwise, self.w2.wt, m_splits)
         dyt = dyq.columnwise
         del dyq  # the row-wise copy, before the pass below
         dprob = g.new_empty(g.shape[0], dtype=torch.float32)
@@ -101,7 +125,7 @@ class Fp8Stages:
         # Only the row-wise copy here; the column-wise one comes after dx (wgrad_grad): with
         # both alive beside dg and dxp this point would hold more than the bf16 path's peak.
         dgq = self._quantize(dg, None, self.recipe.backward_dtype).rowwise
-        return gemm.grouped_dgrad_fp8(dgq, self.w1.wt, m_splits, backend=self.backend)
+        return self._dgrad(dgq, self.w1.wt, m_splits)
 
     def gathered_tokens(self, plan, tokens, row_id_map, m_splits):
         index = self._index(plan, row_id_map)

@@ -20,6 +20,7 @@ The wrappers here check arguments and allocate the buffers (or take
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -45,7 +46,10 @@ from .recipe import BLOCK
 _INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+@functools.lru_cache(maxsize=64)
 def _config(fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float) -> _core.QuantizeConfig:
+    # A recipe has a few option sets and a step quantizes a dozen times: the struct is made once per set
+    # (the core reads it by value). Wrong options raise here, and exceptions are not cached.
     check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     return _core.QuantizeConfig(_core.dtype_code(fp8_dtype), int(bool(pow2_scales)), float(amax_epsilon))
 
@@ -79,14 +83,19 @@ def _check_buffer(name: str, tensor: torch.Tensor, shape: tuple, dtype: torch.dt
         raise ValueError(f"out must hold {name} {tuple(shape)} of {dtype} on {device} (contiguous), got {got}")
 
 
+def new_block(data_shape: tuple, scale_shape: tuple, fp8_dtype: torch.dtype, device) -> BlockQuantized:
+    """Empty FP8 data and its float32 scale_inv."""
+    return BlockQuantized(
+        torch.empty(data_shape, dtype=fp8_dtype, device=device),
+        torch.empty(scale_shape, dtype=torch.float32, device=device),
+    )
+
+
 def _block_buffers(
     name: str, out: Optional[BlockQuantized], data_shape: tuple, scale_shape: tuple, fp8_dtype, device
 ) -> BlockQuantized:
     if out is None:
-        return BlockQuantized(
-            torch.empty(data_shape, dtype=fp8_dtype, device=device),
-            torch.empty(scale_shape, dtype=torch.float32, device=device),
-        )
+        return new_block(data_shape, scale_shape, fp8_dtype, device)
     _check_buffer(f"{name} data", out.data, data_shape, fp8_dtype, device)
     _check_buffer(f"{name} scale_inv", out.scale_inv, scale_shape, torch.float32, device)
     return out
@@ -102,12 +111,9 @@ def quantize_rowwise(
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
     rows, cols = x.shape
-    data = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
-    scale_inv = torch.empty(rows, -(-cols // BLOCK), dtype=torch.float32, device=x.device)
-    ops.fp8_quantize_rowwise_(
-        x, fp8_dtype, pow2_scales, float(amax_epsilon), data, scale_inv, _backend_of(x)
-    )
-    return BlockQuantized(data, scale_inv)
+    q = new_block((rows, cols), (rows, -(-cols // BLOCK)), fp8_dtype, x.device)
+    ops.fp8_quantize_rowwise_(x, fp8_dtype, pow2_scales, float(amax_epsilon), q.data, q.scale_inv, _backend_of(x))
+    return q
 
 
 def _backend_of(x: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -413,22 +419,50 @@ def quantize_gathered(
         raise ValueError(
             f"index must be 1-D int32 on {x.device}, got {index.dtype} {tuple(index.shape)} on {index.device}"
         )
-    rows, cols = index.shape[0], x.shape[1]
+    return quantize_rows(x, index, fp8_dtype, pow2_scales, float(amax_epsilon), m_splits, rowwise, backend)
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    index: Optional[torch.Tensor],
+    fp8_dtype: torch.dtype,
+    pow2_scales: bool,
+    amax_epsilon: float,
+    m_splits: Optional[torch.Tensor],
+    rowwise: bool,
+    backend: str,
+) -> GroupedQuantized:
+    """:func:`quantize_gathered` (``index`` None: x's own rows) without its argument checks.
+
+    For the package's FP8 stages, whose arguments were checked where they
+    were made: x by the layer (or made by the stages), the options by the
+    recipe, ``index`` by ``source_rows``, ``m_splits`` by the router or the
+    layer. The same ops with the same arguments as the checked entries.
+    """
+    rows, cols = (x.shape[0] if index is None else index.shape[0]), x.shape[1]
     row_buffers = columnwise = None
     if rowwise:
-        row_buffers = _block_buffers("rowwise", None, (rows, cols), (rows, -(-cols // BLOCK)), fp8_dtype, x.device)
+        row_buffers = new_block((rows, cols), (rows, -(-cols // BLOCK)), fp8_dtype, x.device)
     if m_splits is not None:
         num_groups = m_splits.shape[0]
-        columnwise = _block_buffers(
-            "columnwise", None, (cols, columnwise_padded_rows(rows, num_groups)),
-            (columnwise_scale_rows(rows, num_groups), cols), fp8_dtype, x.device,
+        columnwise = new_block(
+            (cols, columnwise_padded_rows(rows, num_groups)), (columnwise_scale_rows(rows, num_groups), cols),
+            fp8_dtype, x.device,
         )
-    ops.fp8_quantize_gathered_(
-        x, index, m_splits, fp8_dtype, pow2_scales, float(amax_epsilon),
-        None if row_buffers is None else row_buffers.data, None if row_buffers is None else row_buffers.scale_inv,
-        None if columnwise is None else columnwise.data, None if columnwise is None else columnwise.scale_inv,
-        backend,
-    )
+    row_data, row_scale_inv = (None, None) if row_buffers is None else row_buffers
+    if index is None and columnwise is None:
+        ops.fp8_quantize_rowwise_(x, fp8_dtype, pow2_scales, amax_epsilon, row_data, row_scale_inv, backend)
+    elif index is None:
+        ops.fp8_quantize_grouped_(
+            x, m_splits, fp8_dtype, pow2_scales, amax_epsilon, _core.SLOT_WGRAD, row_data, row_scale_inv,
+            columnwise.data, columnwise.scale_inv, None, backend,
+        )
+    else:
+        ops.fp8_quantize_gathered_(
+            x, index, m_splits, fp8_dtype, pow2_scales, amax_epsilon, row_data, row_scale_inv,
+            None if columnwise is None else columnwise.data, None if columnwise is None else columnwise.scale_inv,
+            backend,
+        )
     return GroupedQuantized(row_buffers, columnwise, None)
 
 

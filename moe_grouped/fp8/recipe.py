@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -39,8 +40,11 @@ class Float8BlockScaling:
     def __post_init__(self):
         if self.fp8_format not in _FORMATS:
             raise ValueError(f"fp8_format must be one of {_FORMATS}, got {self.fp8_format!r}")
-        if not self.amax_epsilon >= 0.0:
-            raise ValueError(f"amax_epsilon must be a non-negative float, got {self.amax_epsilon!r}")
+        if not isinstance(self.pow2_scales, bool):
+            raise TypeError(f"pow2_scales must be True or False, got {self.pow2_scales!r}")
+        if (not isinstance(self.amax_epsilon, (int, float)) or isinstance(self.amax_epsilon, bool)
+                or not math.isfinite(self.amax_epsilon) or self.amax_epsilon < 0):
+            raise ValueError(f"amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}")
 
     @property
     def forward_dtype(self) -> torch.dtype:
