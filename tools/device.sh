@@ -20,6 +20,8 @@
 #   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step; PARTS_ARGS: its
 #              options instead of --trace)
 #   host       benchmarks/host_overhead.py (HOST_ARGS: its options)
+#   host-pin   host_overhead's HOST_PIN_CASES in processes unpinned, on one core and on two (taskset),
+#              taking turns, HOST_PIN_REPEATS times (default 2)
 #   host-ab    host_overhead's HOST_AB_CASES, the working tree against .devbuild/before
 #              (tools/old_tree.sh COMMIT; carry it; a libmoe_grouped_core.so copied there is
 #              the old package's core), HOST_AB_PAIRS alternating pairs of processes (default 3),
@@ -144,6 +146,18 @@ for phase in "$@"; do
       done
       python3 tools/ab_ratios.py "$OUT/host_ab.log" >> "$OUT/host_ab.log"
       cat "$OUT/host_ab.log" ;;
+    host-pin)
+      # The autograd engine runs a CUDA backward on its own thread; on one core that thread and the caller's
+      # share the caches (docs/host-overhead.md).
+      for ((i = 1; i <= ${HOST_PIN_REPEATS:-2}; i++)); do
+        for pin in none 3 3,4; do
+          pre=""; [ "$pin" = none ] || pre="taskset -c $pin"
+          timeout -k 10 "${RUN_TIMEOUT:-300}" $pre python3 benchmarks/host_overhead.py --no-write --rounds 5 \
+            --cases "${HOST_PIN_CASES:-moe_layer_cuda_fused,moe_layer_cuda_fp8,moe_layer_torch}" 2>&1 \
+            | grep " host " | sed "s/^/pin=$pin round $i: /" >> "$OUT/host_pin.log"
+        done
+      done
+      cat "$OUT/host_pin.log" ;;
     host)
       TAIL=60 run host python3 benchmarks/host_overhead.py ${HOST_ARGS:-}
       cp benchmarks/results/host_overhead-*.json "$OUT/" 2>/dev/null ;;
