@@ -34,9 +34,9 @@ from .._ops import ops
 from ..activation import swiglu
 from ..permute import source_rows
 from .linear import WeightCache, param_grads, quantize_weights
-from .quantize import new_block, quantize_rows, quantize_rowwise
+from .quantize import quantize_rows, quantize_rowwise, swiglu_quantize_rows
 from .quantize_reference import BlockQuantized, WeightQuantized
-from .recipe import BLOCK, Float8BlockScaling
+from .recipe import Float8BlockScaling
 
 
 class Fp8Stages:
@@ -88,11 +88,8 @@ class Fp8Stages:
         del xq
         recipe = self.recipe
         if plan.activation_backend == self.backend:  # cuda with cuda, or the references
-            rows, ffn = g.shape[0], g.shape[1] // 2
-            hq = new_block((rows, ffn), (rows, -(-ffn // BLOCK)), recipe.forward_dtype, g.device)
-            ops.fp8_quantize_rowwise_(g, recipe.forward_dtype, recipe.pow2_scales, float(recipe.amax_epsilon),
-                                      hq.data, hq.scale_inv, self.backend, True)
-            return g, hq
+            return g, swiglu_quantize_rows(g, recipe.forward_dtype, recipe.pow2_scales, float(recipe.amax_epsilon),
+                                           self.backend)
         h = swiglu(g, backend=plan.activation_backend)
         return g, quantize_rowwise(h, recipe.forward_dtype, recipe.pow2_scales, recipe.amax_epsilon)
 

@@ -110,10 +110,7 @@ def quantize_rowwise(
     """
     _checks.check_tensor("x", x, dim=2, dtypes=_INPUT_DTYPES)
     check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)
-    rows, cols = x.shape
-    q = new_block((rows, cols), (rows, -(-cols // BLOCK)), fp8_dtype, x.device)
-    ops.fp8_quantize_rowwise_(x, fp8_dtype, pow2_scales, float(amax_epsilon), q.data, q.scale_inv, _backend_of(x))
-    return q
+    return quantize_rows(x, None, fp8_dtype, pow2_scales, float(amax_epsilon), None, True, _backend_of(x)).rowwise
 
 
 def _backend_of(x: torch.Tensor, backend: Optional[str] = None) -> str:
@@ -543,6 +540,15 @@ def swiglu_quantize_rowwise(
     backend = _backend_of(g, backend)
     if backend == "cuda" and ffn % 16:
         raise ValueError(f"the cuda kernel needs ffn to be a multiple of 16, got {ffn}")
-    out = _block_buffers("h", None, (rows, ffn), (rows, -(-ffn // BLOCK)), fp8_dtype, g.device)
-    ops.fp8_quantize_rowwise_(g, fp8_dtype, pow2_scales, float(amax_epsilon), out.data, out.scale_inv, backend, True)
+    return swiglu_quantize_rows(g, fp8_dtype, pow2_scales, float(amax_epsilon), backend)
+
+
+def swiglu_quantize_rows(
+    g: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool, amax_epsilon: float, backend: str
+) -> BlockQuantized:
+    """:func:`swiglu_quantize_rowwise` without its argument checks (for the FP8 stages, as
+    :func:`quantize_rows`; the core still refuses an ffn that is not a multiple of 16)."""
+    rows, ffn = g.shape[0], g.shape[1] // 2
+    out = new_block((rows, ffn), (rows, -(-ffn // BLOCK)), fp8_dtype, g.device)
+    ops.fp8_quantize_rowwise_(g, fp8_dtype, pow2_scales, amax_epsilon, out.data, out.scale_inv, backend, True)
     return out

@@ -12,12 +12,11 @@ starts new blocks.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .recipe import BLOCK
+from .recipe import BLOCK, check_scale_options
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -27,15 +26,7 @@ def check_quantize_options(fp8_dtype: object, pow2_scales: object, amax_epsilon:
     """TypeError/ValueError naming the quantizer option that is wrong (shared by every quantizer)."""
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
-    if not isinstance(pow2_scales, bool):
-        raise TypeError(f"pow2_scales must be True or False, got {pow2_scales!r}")
-    if (
-        not isinstance(amax_epsilon, (int, float))
-        or isinstance(amax_epsilon, bool)
-        or not math.isfinite(amax_epsilon)
-        or amax_epsilon < 0
-    ):
-        raise ValueError(f"amax_epsilon must be a finite number >= 0, got {amax_epsilon!r}")
+    check_scale_options(pow2_scales, amax_epsilon)
 
 
 class BlockQuantized(NamedTuple):

@@ -15,6 +15,19 @@ BLOCK = 128  # activations and gradients: 1 x 128 tiles; weights: 128 x 128
 _FORMATS = ("E4M3", "HYBRID")
 
 
+def check_scale_options(pow2_scales: object, amax_epsilon: object) -> None:
+    """TypeError/ValueError naming the scale option that is wrong (the recipe's and every quantizer's)."""
+    if not isinstance(pow2_scales, bool):
+        raise TypeError(f"pow2_scales must be True or False, got {pow2_scales!r}")
+    if (
+        not isinstance(amax_epsilon, (int, float))
+        or isinstance(amax_epsilon, bool)
+        or not math.isfinite(amax_epsilon)
+        or amax_epsilon < 0
+    ):
+        raise ValueError(f"amax_epsilon must be a finite number >= 0, got {amax_epsilon!r}")
+
+
 @dataclass(frozen=True)
 class Float8BlockScaling:
     """How GroupedLinear quantizes to FP8 inside :func:`fp8_autocast`.
@@ -40,11 +53,7 @@ class Float8BlockScaling:
     def __post_init__(self):
         if self.fp8_format not in _FORMATS:
             raise ValueError(f"fp8_format must be one of {_FORMATS}, got {self.fp8_format!r}")
-        if not isinstance(self.pow2_scales, bool):
-            raise TypeError(f"pow2_scales must be True or False, got {self.pow2_scales!r}")
-        if (not isinstance(self.amax_epsilon, (int, float)) or isinstance(self.amax_epsilon, bool)
-                or not math.isfinite(self.amax_epsilon) or self.amax_epsilon < 0):
-            raise ValueError(f"amax_epsilon must be a finite number >= 0, got {self.amax_epsilon!r}")
+        check_scale_options(self.pow2_scales, self.amax_epsilon)
 
     @property
     def forward_dtype(self) -> torch.dtype:
