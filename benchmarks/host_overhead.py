@@ -227,24 +227,32 @@ def one_round(case: Case, steps: int) -> tuple[float, float]:
     return (issued - start) * 1e3 / steps, (done - start) * 1e3 / steps
 
 
-def measure(cases: dict, steps: dict, rounds: int) -> dict:
+def measure(cases: dict, steps: dict, rounds: int, synced: frozenset = frozenset()) -> dict:
     """Case -> median host and wall ms per step; the cases take turns every round (the order reversed
-    every other round), so a busy spell on the host falls on all of them."""
+    every other round), so a busy spell on the host falls on all of them. Cases in ``synced`` also get
+    ``ms``: the median of single synchronised steps, a few taken in each of their rounds."""
     for case in cases.values():
         for _ in range(5):
             case.step()
-    times = {name: ([], []) for name in cases}
+    times = {name: ([], [], []) for name in cases}
     for r in range(rounds):
         for name in (list(cases) if r % 2 == 0 else list(cases)[::-1]):
             host, wall = one_round(cases[name], steps[name])
             times[name][0].append(host)
             times[name][1].append(wall)
-    return {name: {"host_ms": statistics.median(host), "host_ms_min": min(host), "wall_ms": statistics.median(wall)}
-            for name, (host, wall) in times.items()}
+            if name in synced:
+                times[name][2].extend(synced_times(cases[name], 4))
+    results = {}
+    for name, (host, wall, steps_ms) in times.items():
+        results[name] = {"host_ms": statistics.median(host), "host_ms_min": min(host),
+                         "wall_ms": statistics.median(wall)}
+        if steps_ms:
+            results[name]["ms"] = statistics.median(steps_ms)
+    return results
 
 
-def synced_ms(case: Case, steps: int) -> float:
-    """Median milliseconds of single steps, each ended by a sync (a model step's time as a user sees it)."""
+def synced_times(case: Case, steps: int) -> list[float]:
+    """Milliseconds of single steps, each ended by a sync (a model step's time as a user sees it)."""
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -252,7 +260,7 @@ def synced_ms(case: Case, steps: int) -> float:
         case.step()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def breakdown(case: Case, top: int = 15) -> list[dict]:
@@ -300,13 +308,13 @@ def main() -> None:
             print(f"{name:<26} failed: {type(failure).__name__}: {failure}", flush=True)
             cases.pop(name, None)
     steps = {name: max(args.steps // 10, 5) if name.startswith("hf_model") else args.steps for name in cases}
-    results = measure(cases, steps, args.rounds)
+    models = frozenset(name for name in cases if name.startswith("hf_model"))
+    results = measure(cases, steps, args.rounds, synced=models)
     for name, case in cases.items():
-        model = name.startswith("hf_model")
         row = {"bench": "host_overhead", "op": "fwd_bwd", "case": name, "backend": name,
-               "shape": model_shape if model else shape, "splits": "router",
+               "shape": model_shape if name in models else shape, "splits": "router",
                **{k: round(v, 4) for k, v in results[name].items()}}
-        row["ms"] = round(synced_ms(case, 20) if model else results[name]["wall_ms"], 4)
+        row.setdefault("ms", row["wall_ms"])
         rows.append(row)
         print(f"{name:<26} host {row['host_ms']:8.3f} ms  (min {row['host_ms_min']:.3f})  wall {row['wall_ms']:8.3f} ms"
               f"  step {row['ms']:8.3f} ms", flush=True)

@@ -40,6 +40,7 @@ CAP_DGRAD_SWIGLU = 128
 CAP_FPROP_SWIGLU = 256
 CAP_EP_TRANSPORT = 512
 CAP_EXPERTS_SEQUENCE = 1024
+CAP_EXPERTS_SEQUENCE_FP8 = 2048
 
 # mg_gemm_kind
 GEMM_FPROP = 0
@@ -235,6 +236,53 @@ class ExpertsBackwardArgs(ctypes.Structure):
     ]
 
 
+# mg_experts_fp8_stage's stages, in the order a step runs them
+FP8_FORWARD_FC1 = 0
+FP8_FORWARD_FC2 = 1
+FP8_BACKWARD_FC2_DGRAD = 2
+FP8_BACKWARD_SWIGLU = 3
+FP8_BACKWARD_FC2_WGRAD = 4
+FP8_BACKWARD_DPROBS = 5
+FP8_BACKWARD_FC1_DGRAD = 6
+FP8_BACKWARD_DX = 7
+FP8_BACKWARD_DG_COLUMNWISE = 8
+FP8_BACKWARD_FC1_WGRAD = 9
+
+
+class ExpertsFp8Args(ctypes.Structure):
+    """``mg_experts_fp8_args``."""
+
+    _fields_ = _EXPERTS_ARGS_HEAD + [
+        ("forward", QuantizeConfig),
+        ("backward", QuantizeConfig),
+        ("w1", Fp8Operand),
+        ("w1_t", Fp8Operand),
+        ("w2", Fp8Operand),
+        ("w2_t", Fp8Operand),
+        ("tokens", ctypes.c_void_p),
+        ("index", ctypes.c_void_p),
+        ("g", ctypes.c_void_p),
+        ("scratch", ctypes.c_void_p),
+        ("y", ctypes.c_void_p),
+        ("dout", ctypes.c_void_p),
+        ("probs", ctypes.c_void_p),
+        ("row_weights", ctypes.c_void_p),
+        ("dh", ctypes.c_void_p),
+        ("dout_t", ctypes.c_void_p),
+        ("dout_t_scale_inv", ctypes.c_void_p),
+        ("wh_t", ctypes.c_void_p),
+        ("wh_t_scale_inv", ctypes.c_void_p),
+        ("dprob", ctypes.c_void_p),
+        ("dprobs", ctypes.c_void_p),
+        ("dw2", ctypes.c_void_p),
+        ("dxp", ctypes.c_void_p),
+        ("dx", ctypes.c_void_p),
+        ("dg_t", ctypes.c_void_p),
+        ("dg_t_scale_inv", ctypes.c_void_p),
+        ("dw1", ctypes.c_void_p),
+    ]
+
+
 _vp = ctypes.c_void_p
 _PROTOTYPES = {
     "mg_last_error": (ctypes.c_char_p, []),
@@ -413,6 +461,11 @@ _PROTOTYPES = {
     ),
     "mg_experts_backward_fc2": (ctypes.c_int, [ctypes.POINTER(ExpertsBackwardArgs), _vp]),
     "mg_experts_backward_fc1": (ctypes.c_int, [ctypes.POINTER(ExpertsBackwardArgs), _vp]),
+    "mg_experts_fp8_scratch_bytes": (
+        ctypes.c_int,
+        [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)],
+    ),
+    "mg_experts_fp8_stage": (ctypes.c_int, [ctypes.POINTER(ExpertsFp8Args), ctypes.c_int, _vp]),
     "mg_swiglu_weighted_backward": (
         ctypes.c_int,
         [_vp, _vp, _vp, _vp, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64, _vp, _vp,

@@ -26,7 +26,8 @@ the same op keeps x and g but not h. The GEMMs run in the layer's dtype
 inside ``fp8_autocast``); the steps above are the same. In plain eager code on
 the ``cuda`` backends the layer-dtype backward runs as two core calls
 (:mod:`moe_grouped.experts_sequence`: the same kernels, a fraction of the
-host time; the forward's fc1 and fc2 as one). Not supported here
+host time; the forward's fc1 and fc2 as one), and the FP8 stages as ten
+(:mod:`moe_grouped.fp8.sequence`). Not supported here
 (the unfused path handles them): biases, and a second backward through the
 same graph (``retain_graph=True``): backward turns the kept g into dg in
 place, and autograd's version check then refuses the second backward.
@@ -199,6 +200,21 @@ class Stages:
     (here plain tensors), so :class:`FusedExpertsFunction` is written once.
     """
 
+    def sequence_forward(self, plan: Plan, tokens, row_id_map, m_splits, w1, w2) -> Optional[tuple]:
+        """(g, y) of :meth:`fc1_swiglu` and :meth:`fc2` from one core call where that applies
+        (:mod:`moe_grouped.experts_sequence`), else None."""
+        # The cheap conditions first: off the sequence, fc1_swiglu asks fc1_swiglu_in_one_op itself.
+        if experts_sequence.forward_applies(plan, tokens) and fc1_swiglu_in_one_op(plan, tokens, w1):
+            return experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
+        return None
+
+    def sequence_backward(self, plan: Plan, sinks, needed, dout, tokens, probs, row_id_map, m_splits, g, w1,
+                          w2) -> Optional[tuple]:
+        """The op's backward (:func:`backward`) from two core calls where those apply, else None."""
+        if experts_sequence.applies(plan, sinks, tokens, probs, g):
+            return experts_sequence.backward(plan, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+        return None
+
     def fc1_swiglu(self, plan: Plan, tokens, row_id_map, m_splits, w1):
         """(g, fc2's input h) for each copy's token row."""
         return _fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
@@ -259,11 +275,10 @@ def forward(plan: Plan, sinks: Optional[Sinks], stages, tokens, probs, row_id_ma
     docstring). ``weights``: fc1's then fc2's. Shared by :class:`FusedExpertsFunction` and the layer's op
     with the router (:mod:`moe_grouped.routed_experts`)."""
     w1, w2 = list(weights[: plan.num_fc1_weights]), list(weights[plan.num_fc1_weights :])
-    # The cheap conditions first: off the sequence, the stage asks fc1_swiglu_in_one_op itself.
-    if (stages is STAGES and experts_sequence.forward_applies(plan, tokens)
-            and fc1_swiglu_in_one_op(plan, tokens, w1)):
-        # The same kernels as the two stages, from one core call (bitwise the same g and y).
-        g, y = experts_sequence.forward_fc(plan, tokens, row_id_map, m_splits, w1, w2)
+    # The same kernels as the two stages from a few core calls where those apply (bitwise the same g and y).
+    sequenced = stages.sequence_forward(plan, tokens, row_id_map, m_splits, w1, w2)
+    if sequenced is not None:
+        g, y = sequenced
     else:
         g, h = stages.fc1_swiglu(plan, tokens, row_id_map, m_splits, w1)
         y = stages.fc2(plan, h, m_splits, w2)
@@ -290,9 +305,10 @@ def backward(plan: Plan, sinks: Optional[Sinks], stages, delayed: tuple, needed:
     """
     need_x, need_probs, fc1_needed, fc2_needed = needed
     w1, w2 = weights[: plan.num_fc1_weights], weights[plan.num_fc1_weights :]
-    if stages is STAGES and experts_sequence.applies(plan, sinks, tokens, probs, g):
-        # The same kernels as the stages below, from two core calls (bitwise the same gradients).
-        return experts_sequence.backward(plan, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+    # The same kernels as the stages below from a few core calls where those apply (bitwise the same gradients).
+    sequenced = stages.sequence_backward(plan, sinks, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+    if sequenced is not None:
+        return sequenced
     fc1_delayed, fc2_delayed = delayed
     acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
     w = _permuted_weights(plan, probs, row_id_map, acc) if plan.routed else None

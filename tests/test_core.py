@@ -161,7 +161,7 @@ def _sequence_args(cls, **fields):
                                    dtype=_core.dtype_code(torch.bfloat16), device=0, workspace_slot=0)
     args = cls(problem=problem, num_tokens=16, top_k=2, hidden=64, ffn=32, row_id_map=256, tokens=256,
                scratch=256)
-    for name in ("g", "dout", "probs", "y"):
+    for name in ("g", "dout", "probs", "y", "index"):
         if any(name == f[0] for f in cls._fields_):
             setattr(args, name, 256)
     for name, value in fields.items():
@@ -210,3 +210,52 @@ def test_experts_sequences_check_their_arguments_before_any_launch():
     _core.check(lib.mg_experts_backward_scratch_bytes(2, 32, 64, 32, _core.dtype_code(torch.bfloat16),
                                                       ctypes.byref(size)))
     assert size.value == 32 * 64 * 2 + 32 * 32 * 2 + 256 + 256
+
+
+@needs_core
+@pytest.mark.skipif(not _core.has(_core.CAP_EXPERTS_SEQUENCE_FP8), reason="core built without the FP8 stages")
+def test_fp8_experts_stages_check_their_arguments_before_any_launch():
+    import ctypes
+
+    lib = _core.lib
+    stage = lib.mg_experts_fp8_stage
+    with pytest.raises(ValueError, match="args must not be NULL"):
+        _core.check(stage(None, _core.FP8_FORWARD_FC1, None))
+    args = _sequence_args(_core.ExpertsFp8Args, dtype=_core.dtype_code(torch.float16))
+    with pytest.raises(ValueError, match="run bf16 tokens, got float16"):
+        _core.check(stage(ctypes.byref(args), _core.FP8_FORWARD_FC1, None))
+    args = _sequence_args(_core.ExpertsFp8Args, total_rows=0)
+    with pytest.raises(ValueError, match="must be positive, got 0, 16, 2, 64, 32"):
+        _core.check(stage(ctypes.byref(args), _core.FP8_FORWARD_FC1, None))
+    args = _sequence_args(_core.ExpertsFp8Args, index=None)
+    with pytest.raises(ValueError, match="row_id_map, index and g must be device pointers"):
+        _core.check(stage(ctypes.byref(args), _core.FP8_FORWARD_FC1, None))
+    args = _sequence_args(_core.ExpertsFp8Args, scratch=0x101)
+    with pytest.raises(ValueError, match="scratch must be 256-byte aligned"):
+        _core.check(stage(ctypes.byref(args), _core.FP8_FORWARD_FC1, None))
+    args = _sequence_args(_core.ExpertsFp8Args)
+    with pytest.raises(ValueError, match="unknown stage 10"):
+        _core.check(stage(ctypes.byref(args), 10, None))
+    # Each stage names what it lacks before it launches anything.
+    for number, missing in ((_core.FP8_FORWARD_FC2, "y"), (_core.FP8_BACKWARD_FC2_DGRAD, "row_weights"),
+                            (_core.FP8_BACKWARD_SWIGLU, "dh"), (_core.FP8_BACKWARD_FC2_WGRAD, "wh_t"),
+                            (_core.FP8_BACKWARD_DPROBS, "dprobs"), (_core.FP8_BACKWARD_FC1_DGRAD, "dxp"),
+                            (_core.FP8_BACKWARD_DX, "dx"), (_core.FP8_BACKWARD_DG_COLUMNWISE, "dg_t"),
+                            (_core.FP8_BACKWARD_FC1_WGRAD, "dg_t")):
+        args = _sequence_args(_core.ExpertsFp8Args, y=None)
+        with pytest.raises(ValueError, match=f"{missing}.* must be given for this stage"):
+            _core.check(stage(ctypes.byref(args), number, None))
+    size = ctypes.c_size_t()
+    with pytest.raises(ValueError, match="unknown stage -1"):
+        _core.check(lib.mg_experts_fp8_scratch_bytes(-1, 32, 64, 32, 4, ctypes.byref(size)))
+    # FORWARD_FC1: x's row-wise copy, [32, 64] fp8 then [32, 1] fp32 scales, each on a 256-byte boundary.
+    _core.check(lib.mg_experts_fp8_scratch_bytes(_core.FP8_FORWARD_FC1, 32, 64, 32, 4, ctypes.byref(size)))
+    assert size.value == 32 * 64 + 256
+    # FC1_DGRAD: dg's row-wise copy, [32, 64] fp8 and its scales.
+    _core.check(lib.mg_experts_fp8_scratch_bytes(_core.FP8_BACKWARD_FC1_DGRAD, 32, 64, 32, 4, ctypes.byref(size)))
+    assert size.value == 32 * 64 + 256
+    _core.check(lib.mg_experts_fp8_scratch_bytes(_core.FP8_BACKWARD_DX, 32, 64, 32, 4, ctypes.byref(size)))
+    assert size.value == 0
+    # FC1_WGRAD: the tokens column-wise, [64, 32 + 16 * 4] fp8 then [1 + 4, 64] fp32 scales.
+    _core.check(lib.mg_experts_fp8_scratch_bytes(_core.FP8_BACKWARD_FC1_WGRAD, 32, 64, 32, 4, ctypes.byref(size)))
+    assert size.value == 64 * 96 + 5 * 64 * 4

@@ -1,6 +1,7 @@
 """The fused experts path (moe_grouped.experts) against the unfused one, the weighted SwiGLU backward
 against its formula, capture and replay, and the activation memory it saves."""
 
+import contextlib
 import copy
 
 import pytest
@@ -340,10 +341,21 @@ def test_gpu_sequenced_backward_equals_the_python_stages_bitwise(monkeypatch, dt
     if variant == "16-bit-probs":  # routing weights in the tokens' dtype, as transformers' routers give them
         probs = probs.to(dtype)
     dout = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    calls = assert_sequenced_equals_stages(monkeypatch, experts_sequence, mlp, x, probs, experts, dout, drop, variant,
+                                           contextlib.nullcontext, f"{case=}, {dtype=}, {variant=}")
+    # Forward: the gathered fc1 is bf16 only (fp16 takes the stages); backward: either dtype.
+    assert calls == {"forward_fc": int(dtype == torch.bfloat16), "backward": 1}, calls
+
+
+def assert_sequenced_equals_stages(monkeypatch, module, mlp, x, probs, experts, dout, drop: dict, variant, context,
+                                   case: str) -> dict:
+    """One forward and backward of ``mlp`` with ``module``'s sequences on, one with them off (the Python
+    stages), inside ``context()``: outputs and gradients must be equal bit for bit. Returns how often the
+    sequences' ``forward_fc`` and ``backward`` ran."""
     calls = {"forward_fc": 0, "backward": 0}
 
     def counted(name):
-        fn = getattr(experts_sequence, name)
+        fn = getattr(module, name)
 
         def call(*args):
             calls[name] += 1
@@ -351,27 +363,69 @@ def test_gpu_sequenced_backward_equals_the_python_stages_bitwise(monkeypatch, dt
         return call
 
     for name in calls:
-        monkeypatch.setattr(experts_sequence, name, counted(name))
+        monkeypatch.setattr(module, name, counted(name))
     results = {}
     for sequenced in (True, False):
-        monkeypatch.setattr(experts_sequence, "enabled", sequenced)
+        monkeypatch.setattr(module, "enabled", sequenced)
         for p in mlp.parameters():
             p.grad = None
         xi = x.clone().requires_grad_(variant != "x")
         pi = probs.clone().requires_grad_(variant != "probs")
-        row_id_map, m_splits, rows = permute_index(xi, experts, num_experts, probs=pi.detach(), backend="cuda",
+        row_id_map, m_splits, rows = permute_index(xi, experts, mlp.num_experts, probs=pi.detach(), backend="cuda",
                                                    **drop)
-        out = mlp.forward_routed(xi, pi, row_id_map, m_splits, rows, zero_unmapped=bool(drop),
-                                 permute_backend="cuda")
+        with context():
+            out = mlp.forward_routed(xi, pi, row_id_map, m_splits, rows, zero_unmapped=bool(drop),
+                                     permute_backend="cuda")
         out.backward(dout)
         results[sequenced] = [out, xi.grad, pi.grad, *[p.grad for p in mlp.parameters()]]
-    # Forward: the gathered fc1 is bf16 only (fp16 takes the stages); backward: either dtype.
-    assert calls == {"forward_fc": int(dtype == torch.bfloat16), "backward": 1}, calls
     for i, (a, e) in enumerate(zip(results[True], results[False])):
         assert (a is None) == (e is None), f"gradient {i}: present in one backward only"
         if a is not None:
-            assert torch.equal(a, e), f"gradient {i} differs ({case=}, {dtype=}, {variant=})"
+            assert torch.equal(a, e), f"gradient {i} differs ({case})"
     assert results[True][1 if variant != "x" else 2] is not None
+    return calls
+
+
+FP8_RECIPES = {
+    "E4M3": moe_grouped.fp8.Float8BlockScaling(),
+    "HYBRID": moe_grouped.fp8.Float8BlockScaling("HYBRID", pow2_scales=False, amax_epsilon=1e-12),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", sorted(FP8_RECIPES))
+@pytest.mark.parametrize("case", sorted(SEQUENCE_CASES))
+@pytest.mark.parametrize("variant", [None, "x", "probs", "fc1", "fc2", "16-bit-probs"])
+def test_gpu_fp8_sequenced_steps_equal_the_python_stages_bitwise(monkeypatch, recipe, case, variant):
+    """In FP8 autocast the core's FP8 stages (moe_grouped.fp8.sequence: two calls forward, eight backward)
+    give the Python FP8 stages' output and gradients bit for bit, with capacity, either weight layout,
+    any of the op's inputs without a gradient, and routing weights in the tokens' dtype."""
+    from moe_grouped.fp8 import sequence
+
+    require_fused_cuda()
+    skip_without_cuda_kernels(_core.CAP_EXPERTS_SEQUENCE_FP8, "FP8 experts stages")
+    drop, single, pattern = SEQUENCE_CASES[case]
+    # ffn 80: h's 1x128 blocks overhang; hidden 192: x's and dx's do.
+    tokens, hidden, ffn, num_experts, top_k = 96, 192, 80, 8, 4
+    torch.manual_seed(6)
+    mlp = GroupedMLP(num_experts, hidden, ffn, single_grouped_weight=single, dtype=torch.bfloat16,
+                     device="cuda", backend="cuda", experts_path="fused")
+    for name in ("fc1", "fc2"):
+        if variant == name:
+            getattr(mlp, name).requires_grad_(False)
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    experts = routed_experts(pattern, tokens, top_k, num_experts, seed=4).to("cuda")
+    probs = torch.rand(tokens, top_k, device="cuda")
+    if variant == "16-bit-probs":
+        probs = probs.to(torch.bfloat16)
+    dout = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    with moe_grouped.fp8.fp8_autocast(recipe=FP8_RECIPES[recipe]):
+        assert mlp.uses_fused_path(x)
+    calls = assert_sequenced_equals_stages(
+        monkeypatch, sequence, mlp, x, probs, experts, dout, drop, variant,
+        lambda: moe_grouped.fp8.fp8_autocast(recipe=FP8_RECIPES[recipe]), f"{case=}, {recipe=}, {variant=}",
+    )
+    assert calls == {"forward_fc": 1, "backward": 1}, calls
 
 
 class SplitRoutedMoE(nn.Module):

@@ -40,6 +40,9 @@ uint32_t capabilities() {
 #ifdef MG_HAVE_EXPERTS_SEQUENCE
   caps |= MG_CAP_EXPERTS_SEQUENCE;
 #endif
+#ifdef MG_HAVE_EXPERTS_SEQUENCE_FP8
+  caps |= MG_CAP_EXPERTS_SEQUENCE_FP8;
+#endif
   return caps;
 }
 
@@ -57,6 +60,7 @@ std::string describe() {
   if (caps & MG_CAP_FPROP_SWIGLU) info += ", fprop_swiglu_bf16";
   if (caps & MG_CAP_EP_TRANSPORT) info += ", ep_transport";
   if (caps & MG_CAP_EXPERTS_SEQUENCE) info += ", experts_sequence";
+  if (caps & MG_CAP_EXPERTS_SEQUENCE_FP8) info += ", experts_sequence_fp8";
   return info;
 }
 

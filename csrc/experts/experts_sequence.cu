@@ -10,15 +10,17 @@
 
 #include "core/device_guard.h"
 #include "core/error.h"
+#include "experts/sequence_common.h"
 #include "permute/permute.h"
 
 namespace moe_grouped {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr size_t kAlign = 256;
+using sequence::aligned;
+using sequence::check_scratch_aligned;
+using sequence::gemm_problem;
 
-size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+constexpr int kThreads = 256;
 
 size_t element_bytes(mg_dtype dtype) { return dtype == MG_FLOAT32 ? 4 : 2; }
 
@@ -68,14 +70,6 @@ mg_status check_sizes(const Args* a, const char* op) {
   return MG_OK;
 }
 
-// The buffers are carved from the scratch at kAlign offsets.
-mg_status check_scratch_aligned(const void* scratch, const char* op) {
-  if (reinterpret_cast<uintptr_t>(scratch) % kAlign != 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT, "%s: scratch must be %zu-byte aligned", op, kAlign);
-  }
-  return MG_OK;
-}
-
 mg_status check_args(const mg_experts_backward_args* a, const char* op) {
   if (a == nullptr) return fail(MG_ERROR_INVALID_ARGUMENT, "%s: args must not be NULL", op);
   const mg_grouped_problem& p = a->problem;
@@ -88,15 +82,6 @@ mg_status check_args(const mg_experts_backward_args* a, const char* op) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: row_id_map, g and scratch must be device pointers", op);
   }
   return check_scratch_aligned(a->scratch, op);
-}
-
-// The problem of one GEMM of the sequence: n x k matrices, on a slot.
-mg_grouped_problem gemm_problem(const mg_grouped_problem& base, int64_t n, int64_t k, int slot) {
-  mg_grouped_problem p = base;
-  p.n = n;
-  p.k = k;
-  p.workspace_slot = slot;
-  return p;
 }
 
 // The token rows of `x` [T, H] into `out` [R, H] through the routing index,

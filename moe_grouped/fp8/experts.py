@@ -20,7 +20,9 @@ FP8 operands with the recipe's scales (1x128 activations and gradients,
   (:class:`moe_grouped.fp8.linear.WeightCache`).
 
 Every step reads ``m_splits`` and the index on the device only, so the op
-captures in CUDA graphs like the bf16 one. Backends: ``cuda`` and
+captures in CUDA graphs like the bf16 one. In plain eager code on the
+``cuda`` backends the same kernels run from a few core calls
+(:mod:`moe_grouped.fp8.sequence`), bitwise these stages. Backends: ``cuda`` and
 ``reference`` (the quantizers' and GEMMs' plain-PyTorch references).
 """
 
@@ -33,6 +35,7 @@ import torch
 from .._ops import ops
 from ..activation import swiglu
 from ..permute import source_rows
+from . import sequence
 from .linear import WeightCache, param_grads, quantize_weights
 from .quantize import quantize_rows, quantize_rowwise, swiglu_quantize_rows
 from .quantize_reference import BlockQuantized, WeightQuantized
@@ -59,7 +62,7 @@ class Fp8Stages:
         return quantize_rows(x, index, dtype, recipe.pow2_scales, float(recipe.amax_epsilon), m_splits, rowwise,
                              self.backend)
 
-    def _index(self, plan, row_id_map) -> Optional[torch.Tensor]:
+    def index(self, plan, row_id_map) -> Optional[torch.Tensor]:
         """Each permuted row's token (routed), None for permuted input.
 
         Made in forward and kept for backward in eager code. Under torch.compile
@@ -73,8 +76,27 @@ class Fp8Stages:
             return kept[1]
         index = source_rows(row_id_map, plan.top_k, plan.num_rows)
         if not torch.compiler.is_compiling():
-            self._kept_index = (row_id_map, index)
+            self.keep_index(row_id_map, index)
         return index
+
+    def keep_index(self, row_id_map: torch.Tensor, index: torch.Tensor) -> None:
+        """Keep ``index``, made from ``row_id_map``, for the backward (eager code only)."""
+        self._kept_index = (row_id_map, index)
+
+    def sequence_forward(self, plan, tokens, row_id_map, m_splits, w1, w2) -> Optional[tuple]:
+        """(g, y) of :meth:`fc1_swiglu` and :meth:`fc2` from a few core calls where those apply
+        (:mod:`moe_grouped.fp8.sequence`; bitwise the same), else None."""
+        if not sequence.applies(plan, self, tokens):
+            return None
+        return sequence.forward_fc(plan, self, tokens, row_id_map, m_splits)
+
+    def sequence_backward(self, plan, sinks, needed, dout, tokens, probs, row_id_map, m_splits, g, w1,
+                          w2) -> Optional[tuple]:
+        """The op's backward (see :func:`moe_grouped.experts.backward`) from a few core calls where those
+        apply, else None."""
+        if not sequence.backward_applies(plan, sinks, self, tokens, probs, (*w1, *w2)):
+            return None
+        return sequence.backward(plan, self, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
 
     def _fprop(self, xq: BlockQuantized, w: BlockQuantized, m_splits) -> torch.Tensor:
         return ops.fp8_grouped_fprop(xq.data, xq.scale_inv, w.data, w.scale_inv, m_splits, None, self.backend)
@@ -83,7 +105,7 @@ class Fp8Stages:
         return ops.fp8_grouped_dgrad(dyq.data, dyq.scale_inv, wt.data, wt.scale_inv, m_splits, self.backend)
 
     def fc1_swiglu(self, plan, tokens, row_id_map, m_splits, w1):
-        xq = self._quantize(tokens, self._index(plan, row_id_map), self.recipe.forward_dtype).rowwise
+        xq = self._quantize(tokens, self.index(plan, row_id_map), self.recipe.forward_dtype).rowwise
         g = self._fprop(xq, self.w1.w, m_splits)
         del xq
         recipe = self.recipe
@@ -97,7 +119,7 @@ class Fp8Stages:
         return self._fprop(h, self.w2.w, m_splits)
 
     def dgrad_swiglu_(self, plan, dout, row_id_map, m_splits, g, w, w2):
-        index = self._index(plan, row_id_map)
+        index = self.index(plan, row_id_map)
         dyq = self._quantize(dout.to(g.dtype).contiguous(), index, self.recipe.backward_dtype, m_splits)
         dh_u = self._dgrad(dyq.rowwise, self.w2.wt, m_splits)
         dyt = dyq.columnwise
@@ -125,7 +147,7 @@ class Fp8Stages:
         return self._dgrad(dgq, self.w1.wt, m_splits)
 
     def gathered_tokens(self, plan, tokens, row_id_map, m_splits):
-        index = self._index(plan, row_id_map)
+        index = self.index(plan, row_id_map)
         return self._quantize(tokens, index, self.recipe.forward_dtype, m_splits, rowwise=False).columnwise
 
     def param_grads(self, spec, dyt, xt, m_splits, rows, weights, main_grads) -> list:

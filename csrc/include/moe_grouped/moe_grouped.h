@@ -92,6 +92,7 @@ MG_API const char* mg_build_info(void);
 #define MG_CAP_FPROP_SWIGLU 256u
 #define MG_CAP_EP_TRANSPORT 512u
 #define MG_CAP_EXPERTS_SEQUENCE 1024u
+#define MG_CAP_EXPERTS_SEQUENCE_FP8 2048u
 MG_API uint32_t mg_capabilities(void);
 
 /* ---- workspace manager, keyed by (device, slot) -------------------------
@@ -683,6 +684,87 @@ MG_API mg_status mg_experts_backward_scratch_bytes(int phase, int64_t rows, int6
                                                    mg_dtype dtype, size_t* out_bytes);
 MG_API mg_status mg_experts_backward_fc2(const mg_experts_backward_args* args, void* stream);
 MG_API mg_status mg_experts_backward_fc1(const mg_experts_backward_args* args, void* stream);
+
+/* The FP8 fused experts op's stages (moe_grouped.fp8.experts.Fp8Stages) for
+ * routed bf16 tokens, fc1 [E, 2I, H] and fc2 [E, H, I] without bias, their
+ * weights quantized by mg_quantize_weight_128x128 with the transposed copies
+ * (MG_CAP_EXPERTS_SEQUENCE_FP8). mg_experts_fp8_stage(args, stage) runs the
+ * kernels the Python stages run between two of their allocations, in their
+ * order and with their arguments, so the results are theirs bit for bit;
+ * every buffer is the caller's (scratch: mg_experts_fp8_scratch_bytes), so
+ * the caller takes each where the Python stages take theirs. "x (forward)"
+ * is the forward config, "(backward)" the backward one. Stages, in order:
+ *   FORWARD_FC1: index = mg_permute_source_rows; the tokens through index
+ *     row-wise (forward) into scratch; g = mg_grouped_fp8_fprop(that, w1).
+ *   FORWARD_FC2: mg_swiglu_quantize_rowwise_1x128(g) (forward) into
+ *     scratch; y = mg_grouped_fp8_fprop(that, w2).
+ *   BACKWARD_FC2_DGRAD: row_weights = the permute of probs (zeroed first);
+ *     dout through index (backward), row-wise into scratch and column-wise
+ *     into dout_t; dh = mg_grouped_fp8_dgrad(the row-wise copy, w2_t).
+ *   BACKWARD_SWIGLU: mg_swiglu_weighted_backward(dh, g, row_weights) in
+ *     place (g becomes dg, dh becomes wh; dprob; tail not zeroed); when
+ *     wh_t: wh column-wise (forward) into wh_t.
+ *   BACKWARD_FC2_WGRAD: dw2 = mg_grouped_fp8_wgrad(dout_t, wh_t).
+ *   BACKWARD_DPROBS: dprobs = mg_unpermute_rows of dprob.
+ *   BACKWARD_FC1_DGRAD: dg row-wise (backward) into scratch; dxp =
+ *     mg_grouped_fp8_dgrad(that, w1_t).
+ *   BACKWARD_DX: dx = the plain mg_unpermute_rows of dxp.
+ *   BACKWARD_DG_COLUMNWISE: dg column-wise (backward) into dg_t.
+ *   BACKWARD_FC1_WGRAD: the tokens through index column-wise (forward) into
+ *     scratch; dw1 = mg_grouped_fp8_wgrad(dg_t, that).
+ * padded rows: round_up(R, 16) + 16 E, as mg_quantize_columnwise_grouped_1x128
+ * lays out. R = total_rows > 0, T = num_tokens > 0; dw1 and dw2 bf16, not
+ * accumulated. Quantizers and GEMMs use the workspace slots the Python
+ * stages give them (reserve before capture as for those).                  */
+enum {
+  MG_FP8_FORWARD_FC1 = 0,
+  MG_FP8_FORWARD_FC2 = 1,
+  MG_FP8_BACKWARD_FC2_DGRAD = 2,
+  MG_FP8_BACKWARD_SWIGLU = 3,
+  MG_FP8_BACKWARD_FC2_WGRAD = 4,
+  MG_FP8_BACKWARD_DPROBS = 5,
+  MG_FP8_BACKWARD_FC1_DGRAD = 6,
+  MG_FP8_BACKWARD_DX = 7,
+  MG_FP8_BACKWARD_DG_COLUMNWISE = 8,
+  MG_FP8_BACKWARD_FC1_WGRAD = 9
+};
+typedef struct mg_experts_fp8_args {
+  mg_grouped_problem problem;  /* num_groups E, total_rows R, m_splits, dtype
+                                  MG_BFLOAT16, device (n, k, slot per GEMM) */
+  int64_t num_tokens;          /* T */
+  int top_k;
+  int64_t hidden;              /* H */
+  int64_t ffn;                 /* I */
+  const int64_t* row_id_map;   /* [T * top_k] */
+  mg_quantize_config forward;  /* tokens, h, wh */
+  mg_quantize_config backward; /* dout, dg */
+  mg_fp8_operand w1, w1_t;     /* [E, 2I, H] and [E, H, 2I], 128x128 scales */
+  mg_fp8_operand w2, w2_t;     /* [E, H, I] and [E, I, H] */
+  const void* tokens;          /* [T, H] */
+  int32_t* index;              /* [R]: written by FORWARD_FC1, read after */
+  void* g;                     /* [R, 2I]: fc1's output, then dg */
+  void* scratch;               /* the stage's, 256-byte aligned */
+  void* y;                     /* [R, H] */
+  const void* dout;            /* [T, H] */
+  const float* probs;          /* [T * top_k] */
+  float* row_weights;          /* [R] */
+  void* dh;                    /* [R, I]: dh_u, then wh */
+  void* dout_t;                /* column-wise dout: [H, padded rows] */
+  float* dout_t_scale_inv;
+  void* wh_t;                  /* column-wise wh: [I, padded rows] */
+  float* wh_t_scale_inv;
+  float* dprob;                /* [R] */
+  float* dprobs;               /* [T * top_k] */
+  void* dw2;                   /* [E, H, I] */
+  void* dxp;                   /* [R, H]: fc1's dgrad */
+  void* dx;                    /* [T, H] */
+  void* dg_t;                  /* column-wise dg: [2I, padded rows] */
+  float* dg_t_scale_inv;
+  void* dw1;                   /* [E, 2I, H] */
+} mg_experts_fp8_args;
+MG_API mg_status mg_experts_fp8_scratch_bytes(int stage, int64_t rows, int64_t hidden, int64_t ffn,
+                                              int num_groups, size_t* out_bytes);
+MG_API mg_status mg_experts_fp8_stage(const mg_experts_fp8_args* args, int stage, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */
