@@ -38,14 +38,13 @@ docs/experts-path.md.
 from __future__ import annotations
 
 import collections
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from ._ops import direct_calls, ops
-from . import _core, experts_sequence
+from . import experts_sequence
 from .activation import swiglu
 from .gemm import cuda_backend
 from .grouped_linear import _main_grads, _param_grads, _Spec
@@ -212,7 +211,8 @@ class Stages:
                           w2) -> Optional[tuple]:
         """The op's backward (:func:`backward`) from two core calls where those apply, else None."""
         if experts_sequence.applies(plan, sinks, tokens, probs, g):
-            return experts_sequence.backward(plan, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+            return experts_sequence.backward(plan, sinks, needed, dout, tokens, probs, row_id_map, m_splits, g, w1,
+                                             w2)
         return None
 
     def fc1_swiglu(self, plan: Plan, tokens, row_id_map, m_splits, w1):
@@ -262,12 +262,6 @@ def _unpermute(plan: Plan, y, row_id_map, probs, sink: Optional[torch.Tensor]) -
 
 def _sink_tensors(sinks: Optional[Sinks]) -> tuple:
     return () if sinks is None else (sinks.out, sinks.grad_tokens)
-
-
-def _gemm_sm_limit(plan: Plan, sinks: Optional[Sinks], device: torch.device):
-    if sinks is None or not sinks.gemm_sms or plan.gemm_backend != "cuda":
-        return contextlib.nullcontext()
-    return _core.gemm_sm_limit(device, sinks.gemm_sms)
 
 
 def forward(plan: Plan, sinks: Optional[Sinks], stages, tokens, probs, row_id_map, m_splits, weights):
@@ -335,7 +329,7 @@ def backward(plan: Plan, sinks: Optional[Sinks], stages, delayed: tuple, needed:
         if sinks is not None and sinks.on_grad_tokens is not None:
             sinks.on_grad_tokens(dx, dprobs)
     dg = stages.wgrad_grad(plan, dg, m_splits) if fc1_needed else None
-    with _gemm_sm_limit(plan, sinks, tokens.device):
+    with experts_sequence.gemm_sm_limit(plan, sinks, tokens.device):
         w1_grads = _weight_grads(
             stages, plan.fc1, fc1_delayed, fc1_needed, dg,
             lambda: stages.gathered_tokens(plan, tokens, row_id_map, m_splits), m_splits, rows, w1,

@@ -9,11 +9,13 @@ the same arguments from one call forward up to fc2 (``mg_experts_forward_fc``;
 the combine stays the op's) and two backward (``mg_experts_backward_fc2`` and
 ``_fc1``, csrc/experts), so outputs and gradients are the Python stages' bit
 for bit. Buffers are taken call by call, so they live as long as the separate
-calls' would. docs/host-overhead.md has the measurements.
+calls' would. With an expert-parallel transport's sinks the fc1 phase runs as
+two calls around their callback, as the stages do. docs/host-overhead.md has the measurements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -32,17 +34,46 @@ ENV = "MOE_GROUPED_EXPERTS_SEQUENCE"
 enabled = os.environ.get(ENV, "1") != "0"
 
 
+def gemm_sm_limit(plan, sinks, device: torch.device):
+    """Where the fused op runs fc1's weight gradient: on at most ``sinks.gemm_sms`` SMs, so that what
+    ``sinks.on_grad_tokens`` started runs beside it (see :class:`moe_grouped.experts.Sinks`)."""
+    if sinks is None or not sinks.gemm_sms or plan.gemm_backend != "cuda":
+        return contextlib.nullcontext()
+    return _core.gemm_sm_limit(device, sinks.gemm_sms)
+
+
+def sinks_apply(sinks, tokens: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the sequences can write the token gradient where ``sinks`` asks: no sink, or a contiguous
+    [T, H] one of the gradient's dtype (else the stages run and refuse it)."""
+    sink = None if sinks is None else sinks.grad_tokens
+    return sink is None or (sink.shape == tokens.shape and sink.dtype == dtype and sink.is_contiguous()
+                            and sink.device == tokens.device)
+
+
+def token_grads(sinks, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer the token gradient goes to: the sink's, or a new one."""
+    if sinks is not None and sinks.grad_tokens is not None:
+        return sinks.grad_tokens
+    return torch.empty(tokens.shape, dtype=dtype, device=tokens.device)
+
+
+def grad_tokens_ready(sinks, dx: Optional[torch.Tensor], dprobs: Optional[torch.Tensor]) -> None:
+    """Hand dx and dprobs to the sinks' callback, as the stages do once both exist."""
+    if sinks is not None and sinks.on_grad_tokens is not None:
+        sinks.on_grad_tokens(dx, dprobs)
+
+
 def applies(plan, sinks, tokens: torch.Tensor, probs: torch.Tensor, g: torch.Tensor) -> bool:
     """Whether :func:`backward` computes the backward of the layer-dtype stages (the caller checks that
     those are the op's): plain eager tensors (the op's :class:`~moe_grouped._ops.DirectCalls` region is
-    on), routed, no sinks, no deferred or fused-accumulation weight gradients, all on the ``cuda`` backends,
-    16-bit operands, rows and tokens, and a core with the sequences."""
+    on), routed, sinks the sequence can write to, no deferred or fused-accumulation weight gradients, all
+    on the ``cuda`` backends, 16-bit operands, rows and tokens, and a core with the sequences."""
     fc1, fc2 = plan.fc1, plan.fc2
     return (
         enabled
         and _ops.direct_region()
         and plan.routed
-        and sinks is None
+        and sinks_apply(sinks, tokens, g.dtype)
         and plan.gemm_backend == "cuda" and plan.permute_backend == "cuda" and plan.activation_backend == "cuda"
         and not (fc1.fuse_wgrad_accumulation or fc1.delay_wgrad_compute or fc1.has_bias)
         and not (fc2.fuse_wgrad_accumulation or fc2.delay_wgrad_compute or fc2.has_bias)
@@ -110,9 +141,11 @@ def _ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
 
-def backward(plan, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list, w2: list) -> tuple:
+def backward(plan, sinks, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list,
+             w2: list) -> tuple:
     """(dx, dprobs, w1 grads, w2 grads) as the Python stages give them, each only where ``needed`` (four
-    bools, in that order) says; g becomes dg."""
+    bools, in that order) says; g becomes dg. With ``sinks``: dx into its buffer, its callback once dx and
+    dprobs exist, fc1's weight gradient after it on the SMs it leaves."""
     dx_needed, dprobs_needed, fc1_needed, fc2_needed = needed
     dtype, device = g.dtype, g.device
     rows, num_tokens, top_k = g.shape[0], tokens.shape[0], probs.shape[1]
@@ -140,13 +173,22 @@ def backward(plan, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, 
     torch.autograd.graph.increment_version([g])
     del scratch
     scratch = torch.empty(_scratch_bytes(1, rows, hidden, ffn, dtype_code), dtype=torch.uint8, device=device)
-    dx = torch.empty(num_tokens, hidden, dtype=dtype, device=device) if dx_needed else None
+    dx = token_grads(sinks, tokens, dtype) if dx_needed else None
+    dprobs = None if dprobs is None else dprobs.view(probs.shape).to(probs.dtype)
+    args.scratch, args.dx = scratch.data_ptr(), _ptr(dx)
+    if sinks is not None:  # as the stages: dx, the sinks' callback, then dw1 on the SMs the sinks leave
+        if dx is not None:
+            _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
+            grad_tokens_ready(sinks, dx, dprobs)
+            args.dx = None
     dw1 = torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype, device=device) if fc1_needed else None
-    args.scratch, args.dx, args.dw1 = scratch.data_ptr(), _ptr(dx), _ptr(dw1)
-    _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
+    args.dw1 = _ptr(dw1)
+    if args.dx is not None or dw1 is not None:
+        with gemm_sm_limit(plan, sinks, device):
+            _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
     return (
-        dx,
-        None if dprobs is None else dprobs.view(probs.shape).to(probs.dtype),
+        None if dx is None else dx.detach(),
+        dprobs,
         _as_params(dw1, w1),
         _as_params(dw2, w2),
     )

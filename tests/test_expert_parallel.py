@@ -479,6 +479,17 @@ def test_gpu_ep_size_1_overflow_is_counted_on_the_device_during_replay(one_rank_
         layer.check_overflow()
 
 
+def require_peer_kernels(fp8: bool, fp8_capability: int) -> None:
+    """Skip unless the peer transport runs on this GPU and, for an FP8 case, the core has ``fp8_capability``."""
+    from moe_grouped.parallel import peer_unavailable_reason
+
+    reason = peer_unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    if fp8 and not moe_grouped._core.has(fp8_capability):
+        pytest.skip(f"the core was built without capability {fp8_capability} (FP8 kernels)")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_rank_nccl_group, fp8):
@@ -486,13 +497,8 @@ def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_ran
     and in 50 captured replays with new routing, with the backward's combine beside fc1's weight gradient;
     also with the experts' fused op in FP8 (fp8_autocast)."""
     from moe_grouped import graphs
-    from moe_grouped.parallel import peer_unavailable_reason
 
-    reason = peer_unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
-    if fp8 and not moe_grouped._core.has(moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE):
-        pytest.skip("the core was built without its FP8 grouped GEMMs")
+    require_peer_kernels(fp8, moe_grouped._core.CAP_GROUPED_GEMM_FP8_BLOCKWISE)
     torch.manual_seed(6)
     options = dict(single_grouped_weight=True, dtype=torch.bfloat16, device="cuda", backend=gpu_backend(),
                    router_options=dict(normalize_topk=True))
@@ -535,6 +541,40 @@ def test_gpu_peer_transport_on_one_rank_equals_local_bitwise_and_replays(one_ran
         want = steps["local"](x, dout)
         for i, (a, b) in enumerate(zip(want, got)):
             assert torch.equal(a, b), f"{replay=}: output {i} differs (calc_diff {calc_diff(a.float(), b.float())})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gpu_peer_transport_sequences_equal_the_python_stages_bitwise(one_rank_nccl_group, monkeypatch, fp8):
+    """With the peer transport's sinks (dx into its buffer, the combine started from the callback, fc1's
+    weight gradient on the SMs left) the experts' core sequences give the Python stages' bits."""
+    from moe_grouped import experts_sequence
+    from moe_grouped.fp8 import sequence as fp8_sequence
+
+    require_peer_kernels(fp8, moe_grouped._core.CAP_EXPERTS_SEQUENCE_FP8)
+    torch.manual_seed(9)
+    tokens, hidden = 320, 128
+    layer = ExpertParallelMoELayer(hidden, 256, 16, 4, transport="peer", max_tokens=tokens, overlap_sms=8,
+                                   single_grouped_weight=True, dtype=torch.bfloat16, device="cuda",
+                                   backend=gpu_backend())
+    module = fp8_sequence if fp8 else experts_sequence
+    calls = []
+    backward = module.backward
+    monkeypatch.setattr(module, "backward", lambda *args: calls.append(1) or backward(*args))
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device="cuda")
+    dout = torch.randn_like(x)
+    results = {}
+    for sequenced in (True, False):
+        monkeypatch.setattr(module, "enabled", sequenced)
+        reset_grads(layer)
+        xi = x.clone().requires_grad_(True)
+        with moe_grouped.fp8.fp8_autocast(enabled=fp8):
+            out = layer(xi)
+        out.backward(dout)
+        results[sequenced] = [out.detach(), xi.grad, *[p.grad for p in layer.parameters()]]
+    assert len(calls) == 1, "the sequence did not run with the peer transport's sinks"
+    for i, (a, b) in enumerate(zip(results[True], results[False])):
+        assert torch.equal(a, b), f"output {i} differs ({fp8=}, calc_diff {calc_diff(a.float(), b.float())})"
 
 
 @pytest.mark.gpu

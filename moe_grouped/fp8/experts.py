@@ -96,7 +96,7 @@ class Fp8Stages:
         apply, else None."""
         if not sequence.backward_applies(plan, sinks, self, tokens, probs, (*w1, *w2)):
             return None
-        return sequence.backward(plan, self, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
+        return sequence.backward(plan, self, sinks, needed, dout, tokens, probs, row_id_map, m_splits, g, w1, w2)
 
     def _fprop(self, xq: BlockQuantized, w: BlockQuantized, m_splits) -> torch.Tensor:
         return ops.fp8_grouped_fprop(xq.data, xq.scale_inv, w.data, w.scale_inv, m_splits, None, self.backend)

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from .. import _core, _ops
+from .. import _core, _ops, experts_sequence
 from ..gemm import cuda_backend
 from ..grouped_linear import grads_as_params
 from .gemm import _core_operand
@@ -49,12 +49,12 @@ def applies(plan, stages, tokens: torch.Tensor) -> bool:
 
 
 def backward_applies(plan, sinks, stages, tokens: torch.Tensor, probs: torch.Tensor, weights) -> bool:
-    """:func:`applies`, and the backward's conditions: no sinks, no deferred or fused-accumulation weight
-    gradients, no bias, bf16 weights (their gradients' dtype)."""
+    """:func:`applies`, and the backward's conditions: sinks it can write to, no deferred or
+    fused-accumulation weight gradients, no bias, bf16 weights (their gradients' dtype)."""
     fc1, fc2 = plan.fc1, plan.fc2
     return (
-        sinks is None
-        and applies(plan, stages, tokens)  # routed: probs are a tensor
+        applies(plan, stages, tokens)  # routed: probs are a tensor
+        and experts_sequence.sinks_apply(sinks, tokens, torch.bfloat16)
         and not (fc1.fuse_wgrad_accumulation or fc1.delay_wgrad_compute or fc1.has_bias)
         and not (fc2.fuse_wgrad_accumulation or fc2.delay_wgrad_compute or fc2.has_bias)
         and probs.is_floating_point()
@@ -117,11 +117,12 @@ def forward_fc(plan, stages, tokens, row_id_map, m_splits) -> tuple[torch.Tensor
     return g, y
 
 
-def backward(plan, stages, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list,
+def backward(plan, stages, sinks, needed: tuple, dout, tokens, probs, row_id_map, m_splits, g, w1: list,
              w2: list) -> tuple:
     """(dx, dprobs, w1 grads, w2 grads) as the Python stages give them, each only where ``needed`` (four
     bools, in that order) says; g becomes dg, and its memory is released after its column-wise copy (as
-    :meth:`Fp8Stages.wgrad_grad` does)."""
+    :meth:`Fp8Stages.wgrad_grad` does). With ``sinks``: dx into its buffer, its callback once dx and dprobs
+    exist, fc1's weight gradient after it on the SMs it leaves."""
     dx_needed, dprobs_needed, fc1_needed, fc2_needed = needed
     device = g.device
     rows, (num_tokens, hidden), top_k = g.shape[0], tokens.shape, probs.shape[1]
@@ -168,6 +169,7 @@ def backward(plan, stages, needed: tuple, dout, tokens, probs, row_id_map, m_spl
         dprobs = torch.empty(num_tokens * top_k, **f32)
         args.dprobs = dprobs.data_ptr()
         _run(args, _core.FP8_BACKWARD_DPROBS, None, stream)
+        dprobs = dprobs.view(probs.shape).to(probs.dtype)
 
     dx = dw1 = None
     if dx_needed:
@@ -176,23 +178,25 @@ def backward(plan, stages, needed: tuple, dout, tokens, probs, row_id_map, m_spl
         args.dxp = dxp.data_ptr()
         _run(args, _core.FP8_BACKWARD_FC1_DGRAD, scratch, stream)
         del scratch
-        dx = torch.empty(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+        dx = experts_sequence.token_grads(sinks, tokens, torch.bfloat16)
         args.dx = dx.data_ptr()
         _run(args, _core.FP8_BACKWARD_DX, None, stream)
         del dxp
+        experts_sequence.grad_tokens_ready(sinks, dx, dprobs)
     if fc1_needed:
         dg_t = new_block((2 * ffn, padded), (scale_rows, 2 * ffn), recipe.backward_dtype, device)
         args.dg_t, args.dg_t_scale_inv = dg_t.data.data_ptr(), dg_t.scale_inv.data_ptr()
         _run(args, _core.FP8_BACKWARD_DG_COLUMNWISE, None, stream)
         g.untyped_storage().resize_(0)  # dg: nothing reads it after its copy (see Fp8Stages.wgrad_grad)
-        scratch = _scratch(_core.FP8_BACKWARD_FC1_WGRAD, args, device)
-        dw1 = torch.empty(num_groups, 2 * ffn, hidden, dtype=torch.bfloat16, device=device)
-        args.dw1 = dw1.data_ptr()
-        _run(args, _core.FP8_BACKWARD_FC1_WGRAD, scratch, stream)
+        with experts_sequence.gemm_sm_limit(plan, sinks, device):
+            scratch = _scratch(_core.FP8_BACKWARD_FC1_WGRAD, args, device)
+            dw1 = torch.empty(num_groups, 2 * ffn, hidden, dtype=torch.bfloat16, device=device)
+            args.dw1 = dw1.data_ptr()
+            _run(args, _core.FP8_BACKWARD_FC1_WGRAD, scratch, stream)
         del scratch, dg_t
     return (
-        dx,
-        None if dprobs is None else dprobs.view(probs.shape).to(probs.dtype),
+        None if dx is None else dx.detach(),
+        dprobs,
         _as_params(dw1, w1),
         _as_params(dw2, w2),
     )
