@@ -326,8 +326,7 @@ def backward(plan: Plan, sinks: Optional[Sinks], stages, delayed: tuple, needed:
         else:
             dx = dxp
         del dxp
-        if sinks is not None and sinks.on_grad_tokens is not None:
-            sinks.on_grad_tokens(dx, dprobs)
+        experts_sequence.grad_tokens_ready(sinks, dx, dprobs)
     dg = stages.wgrad_grad(plan, dg, m_splits) if fc1_needed else None
     with experts_sequence.gemm_sm_limit(plan, sinks, tokens.device):
         w1_grads = _weight_grads(

@@ -176,11 +176,10 @@ def backward(plan, sinks, needed: tuple, dout, tokens, probs, row_id_map, m_spli
     dx = token_grads(sinks, tokens, dtype) if dx_needed else None
     dprobs = None if dprobs is None else dprobs.view(probs.shape).to(probs.dtype)
     args.scratch, args.dx = scratch.data_ptr(), _ptr(dx)
-    if sinks is not None:  # as the stages: dx, the sinks' callback, then dw1 on the SMs the sinks leave
-        if dx is not None:
-            _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
-            grad_tokens_ready(sinks, dx, dprobs)
-            args.dx = None
+    if sinks is not None and dx is not None:  # as the stages: dx, the callback, then dw1 on the SMs left
+        _core.check(lib.mg_experts_backward_fc1(ctypes.byref(args), stream))
+        grad_tokens_ready(sinks, dx, dprobs)
+        args.dx = None
     dw1 = torch.empty(num_experts, 2 * ffn, hidden, dtype=dtype, device=device) if fc1_needed else None
     args.dw1 = _ptr(dw1)
     if args.dx is not None or dw1 is not None:
@@ -189,10 +188,11 @@ def backward(plan, sinks, needed: tuple, dout, tokens, probs, row_id_map, m_spli
     return (
         None if dx is None else dx.detach(),
         dprobs,
-        _as_params(dw1, w1),
-        _as_params(dw2, w2),
+        as_params(dw1, w1),
+        as_params(dw2, w2),
     )
 
 
-def _as_params(grads: Optional[torch.Tensor], weights: list) -> list:
+def as_params(grads: Optional[torch.Tensor], weights: list) -> list:
+    """One layer's [E, N, K] weight gradient as its parameters hold it (None for each where not computed)."""
     return [None] * len(weights) if grads is None else grads_as_params(grads, weights)

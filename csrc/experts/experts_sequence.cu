@@ -18,6 +18,7 @@ namespace {
 
 using sequence::aligned;
 using sequence::check_scratch_aligned;
+using sequence::check_sizes;
 using sequence::gemm_problem;
 
 constexpr int kThreads = 256;
@@ -56,18 +57,6 @@ Fc2Scratch carve_fc2(void* base, int64_t rows, int64_t hidden, int64_t ffn, mg_d
   at += aligned(rows * sizeof(float));
   s.bytes = at;
   return s;
-}
-
-// The sizes both sequences take (forward and backward args have these fields): all positive.
-template <class Args>
-mg_status check_sizes(const Args* a, const char* op) {
-  if (a->problem.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
-                static_cast<long long>(a->problem.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
-                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
-  }
-  return MG_OK;
 }
 
 mg_status check_args(const mg_experts_backward_args* a, const char* op) {

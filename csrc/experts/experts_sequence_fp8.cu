@@ -10,34 +10,30 @@
 #include "core/device_guard.h"
 #include "core/error.h"
 #include "experts/sequence_common.h"
+#include "fp8_gemm/fp8_gemm.h"
 
 namespace moe_grouped {
 namespace {
 
+using fp8_gemm::columnwise_padded_rows;
+using fp8_gemm::columnwise_scale_rows;
 using sequence::aligned;
 using sequence::check_scratch_aligned;
+using sequence::check_sizes;
 using sequence::gemm_problem;
 
-constexpr int64_t kBlock = 128;           // 1x128 quantization blocks
-constexpr int64_t kColumnwiseAlign = 16;  // the column-wise layout's per-group padding
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kBlock = 128;  // 1x128 quantization blocks
 
 // A row-wise copy of [rows, cols]: fp8 data, then its [rows, ceil(cols / 128)] scales.
 size_t rowwise_bytes(int64_t rows, int64_t cols) {
-  return aligned(rows * cols) + aligned(rows * ceil_div(cols, kBlock) * sizeof(float));
+  return aligned(rows * cols) + aligned(rows * ((cols + kBlock - 1) / kBlock) * sizeof(float));
 }
 
-// Tokens of mg_quantize_columnwise_grouped_1x128's layout: room for every group, 16-aligned.
-int64_t padded_rows(int64_t rows, int num_groups) {
-  return ceil_div(rows, kColumnwiseAlign) * kColumnwiseAlign + kColumnwiseAlign * num_groups;
-}
-
-// A grouped column-wise copy of [rows, cols]: qt [cols, padded_rows], then its scales.
+// A grouped column-wise copy of [rows, cols] (mg_quantize_columnwise_grouped_1x128's layout):
+// qt [cols, padded rows], then its scales.
 size_t columnwise_bytes(int64_t rows, int64_t cols, int num_groups) {
-  const int64_t padded = padded_rows(rows, num_groups);
-  const int64_t scale_rows = ceil_div(rows, kBlock) + num_groups;
-  return aligned(cols * padded) + aligned(scale_rows * cols * sizeof(float));
+  return aligned(cols * columnwise_padded_rows(rows, num_groups)) +
+         aligned(columnwise_scale_rows(rows, num_groups) * cols * sizeof(float));
 }
 
 // The fp8 operand that sits at `base`: data first, scales after (rowwise_bytes / columnwise_bytes).
@@ -52,12 +48,7 @@ mg_status check(const mg_experts_fp8_args* a, const char* op) {
   if (p.dtype != MG_BFLOAT16) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: the FP8 stages run bf16 tokens, got %s", op, dtype_name(p.dtype));
   }
-  if (p.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
-    return fail(MG_ERROR_INVALID_ARGUMENT,
-                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
-                static_cast<long long>(p.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
-                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
-  }
+  MG_RETURN_IF_ERROR(check_sizes(a, op));
   if (a->row_id_map == nullptr || a->index == nullptr || a->g == nullptr) {
     return fail(MG_ERROR_INVALID_ARGUMENT, "%s: row_id_map, index and g must be device pointers", op);
   }
@@ -187,7 +178,8 @@ mg_status mg_experts_fp8_stage(const mg_experts_fp8_args* a, int stage, void* st
       MG_RETURN_IF_ERROR(require(a->tokens != nullptr && a->dg_t != nullptr && a->dg_t_scale_inv != nullptr &&
                                      a->dw1 != nullptr,
                                  "tokens, dg_t and dw1", op));
-      const mg_fp8_operand xt = operand_at(a->scratch, hidden * padded_rows(rows, groups), fwd.fp8_dtype);
+      const mg_fp8_operand xt =
+          operand_at(a->scratch, hidden * columnwise_padded_rows(rows, groups), fwd.fp8_dtype);
       MG_RETURN_IF_ERROR(mg_quantize_gathered_1x128(a->tokens, MG_BFLOAT16, a->num_tokens, hidden, a->index, rows,
                                                     p.m_splits, p.splits_dtype, groups, fwd, nullptr, nullptr,
                                                     const_cast<void*>(xt.data), const_cast<float*>(xt.scale_inv),

@@ -24,6 +24,18 @@ inline mg_status check_scratch_aligned(const void* scratch, const char* op) {
   return MG_OK;
 }
 
+// The sizes every sequence takes (its args have these fields): all positive.
+template <class Args>
+mg_status check_sizes(const Args* a, const char* op) {
+  if (a->problem.total_rows <= 0 || a->num_tokens <= 0 || a->top_k <= 0 || a->hidden <= 0 || a->ffn <= 0) {
+    return fail(MG_ERROR_INVALID_ARGUMENT,
+                "%s: rows, tokens, top_k, hidden and ffn must be positive, got %lld, %lld, %d, %lld, %lld", op,
+                static_cast<long long>(a->problem.total_rows), static_cast<long long>(a->num_tokens), a->top_k,
+                static_cast<long long>(a->hidden), static_cast<long long>(a->ffn));
+  }
+  return MG_OK;
+}
+
 // The problem of one GEMM of a sequence: n x k matrices, on a slot.
 inline mg_grouped_problem gemm_problem(const mg_grouped_problem& base, int64_t n, int64_t k, int slot) {
   mg_grouped_problem p = base;

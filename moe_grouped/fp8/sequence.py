@@ -23,7 +23,6 @@ import torch
 
 from .. import _core, _ops, experts_sequence
 from ..gemm import cuda_backend
-from ..grouped_linear import grads_as_params
 from .gemm import _core_operand
 from .quantize import _config, new_block
 from .quantize_reference import columnwise_padded_rows, columnwise_scale_rows
@@ -197,14 +196,6 @@ def backward(plan, stages, sinks, needed: tuple, dout, tokens, probs, row_id_map
     return (
         None if dx is None else dx.detach(),
         dprobs,
-        _as_params(dw1, w1),
-        _as_params(dw2, w2),
+        experts_sequence.as_params(dw1, w1),
+        experts_sequence.as_params(dw2, w2),
     )
-
-
-def _ptr(tensor: Optional[torch.Tensor]) -> Optional[int]:
-    return None if tensor is None else tensor.data_ptr()
-
-
-def _as_params(grads: Optional[torch.Tensor], weights: list) -> list:
-    return [None] * len(weights) if grads is None else grads_as_params(grads, weights)
