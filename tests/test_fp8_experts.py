@@ -36,11 +36,9 @@ def assert_same_quantized(a, b, case):
 
 def columnwise_owned(q, splits, rows):
     """The parts of a grouped column-wise copy the layout defines (data of each group's tokens, their scales)."""
-    parts, padded, block = [], 0, 0
-    for count in splits:
+    parts = []
+    for count, (padded, block) in zip(splits, fp8.columnwise_group_starts(splits)):
         parts += [q.data.view(torch.uint8)[:, padded : padded + count], q.scale_inv[block : block + -(-count // 128)]]
-        padded += -(-count // 16) * 16
-        block += -(-count // 128)
     return parts
 
 

@@ -66,7 +66,7 @@ def sentinel_out(rows, cols, num_groups, fp8_dtype, rowwise, dbias) -> fp8.Group
 
 
 def assert_columnwise(got: fp8.BlockQuantized, want: fp8.BlockQuantized, splits, rows, case, sentinel=True):
-    """Each expert's columns (zeros past its tokens up to a 16-byte boundary) and
+    """Each expert's columns (zeros past its tokens up to a 128-token boundary) and
     scale rows bit for bit; positions no expert owns untouched."""
     cols, num_groups = got.data.shape[0], len(splits)
     assert got.data.shape == (cols, fp8.columnwise_padded_rows(rows, num_groups)), case
@@ -76,8 +76,9 @@ def assert_columnwise(got: fp8.BlockQuantized, want: fp8.BlockQuantized, splits,
     for e, (count, (padded, block)) in enumerate(zip(splits, fp8.columnwise_group_starts(splits))):
         blocks = -(-count // 128)
         where = f"{case}: expert {e} of {splits} ({count} tokens at column {padded}, scale row {block})"
-        assert padded % 16 == 0, where
-        run_end = padded + -(-count // 16) * 16  # the group's columns, written in whole 16-byte runs
+        assert padded % fp8.COLUMNWISE_ALIGN == 0, where
+        # the group's columns, written in whole 128-byte runs
+        run_end = padded + -(-count // fp8.COLUMNWISE_ALIGN) * fp8.COLUMNWISE_ALIGN
         assert same_bits(got.data[:, padded:run_end], want.data[:, padded:run_end]), where
         assert same_bits(got.scale_inv[block : block + blocks], want.scale_inv[block : block + blocks]), where
         owned_data[padded:run_end] = True
@@ -229,7 +230,7 @@ def test_rowwise_covers_rows_past_the_groups(monkeypatch):
 def test_no_tokens_gives_zero_dbias():
     x = torch.empty(0, 96, device=DEVICE, dtype=torch.bfloat16)
     got = fp8.quantize_grouped(x, torch.zeros(4, dtype=torch.int64, device=DEVICE), E4M3, dbias=True)
-    assert got.rowwise.data.shape == (0, 96) and got.columnwise.data.shape == (96, 64)
+    assert got.rowwise.data.shape == (0, 96) and got.columnwise.data.shape == (96, 4 * 128)
     assert got.columnwise.scale_inv.shape == (4, 96)
     assert torch.equal(got.dbias.cpu(), torch.zeros(4, 96))
 

@@ -83,9 +83,9 @@ AWKWARD_SPLITS = [219, 2246, 5, 8103, 1, 1117, 4693, 0]
 
 
 def test_columnwise_layout_sizes_hold_every_split():
-    assert fp8.columnwise_padded_rows(300, 4) == 304 + 64
+    assert fp8.columnwise_padded_rows(300, 4) == 384 + 4 * 128
     assert fp8.columnwise_scale_rows(300, 4) == 3 + 4
-    assert fp8.columnwise_group_starts([130, 0, 5, 300]) == [(0, 0), (144, 2), (144, 2), (160, 3)]
+    assert fp8.columnwise_group_starts([130, 0, 5, 300]) == [(0, 0), (256, 2), (256, 2), (384, 3)]
     gen = torch.Generator().manual_seed(0)
     cases = [AWKWARD_SPLITS, [0] * 7 + [1], [1] * 9, [16] * 4, [17, 15, 128, 129]]
     cases += [torch.randint(0, 300, (int(torch.randint(1, 40, (1,), generator=gen)),), generator=gen).tolist()

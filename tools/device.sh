@@ -15,6 +15,13 @@
 #   moe-bench  benchmarks/moe_layer.py $MOE_BENCH_ARGS (default: --shapes experts_path)
 #   fp8-ceiling  benchmarks/kernels/fp8_ceiling.py --rounds 4 (FP8 GEMMs against dense FP8)
 #   fp8-accuracy  benchmarks/fp8_accuracy.py (FP8 layer's outputs and gradients against bf16 and fp32)
+#   wgrad-probe  tools/fp8_wgrad_probe.py $WGRAD_PROBE_ARGS, then ncu on WGRAD_NCU (CASE:TOKENS, if set)
+#   wgrad-ab   tools/fp8_wgrad_probe.py under each core build of WGRAD_AB_LIBS (directories holding
+#              libmoe_grouped_core.so; carry them): --digest per build (same bits?), then
+#              WGRAD_AB_PAIRS rounds (default 2) of alternating timed processes ($WGRAD_PROBE_ARGS)
+#   moe-ab     benchmarks/moe_layer.py --shapes experts_path per entry of MOE_AB_SETS, each
+#              NAME:TREE:LIBDIR (TREE a tools/old_tree.sh package or empty for the working tree's;
+#              carry both), one after the other; each run's JSON to $OUT/moe_ab_NAME.json
 #   layer-profile  tools/layer_profile.py $LAYER_PROFILE_ARGS (kernel times of one MoELayer step)
 #   probe      tools/host_probe.py (PROBE_ARGS: its options)
 #   parts      tools/host_parts.py (host time of the parts of one eager MoELayer step; PARTS_ARGS: its
@@ -120,6 +127,34 @@ for phase in "$@"; do
     fp8-accuracy)
       TAIL=60 run fp8_accuracy python3 benchmarks/fp8_accuracy.py
       cp benchmarks/results/fp8_accuracy-*.json "$OUT/" 2>/dev/null ;;
+    wgrad-probe)
+      TAIL=40 run wgrad_probe python3 tools/fp8_wgrad_probe.py --json "$OUT/wgrad_probe.json" ${WGRAD_PROBE_ARGS:-}
+      if [ -n "${WGRAD_NCU:-}" ]; then
+        TAIL=30 run wgrad_ncu ncu --clock-control none -k regex:device_kernel --launch-count 4 \
+          --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+          --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+          python3 tools/fp8_wgrad_probe.py --ncu "$WGRAD_NCU"
+      fi ;;
+    wgrad-ab)
+      for lib in ${WGRAD_AB_LIBS:?}; do
+        MOE_GROUPED_CORE_LIB=$PWD/$lib/libmoe_grouped_core.so python3 tools/fp8_wgrad_probe.py --digest \
+          ${WGRAD_PROBE_ARGS:-} 2>&1 | sed "s|^|$lib: |" >> "$OUT/wgrad_ab.log"
+      done
+      for ((i = 1; i <= ${WGRAD_AB_PAIRS:-2}; i++)); do
+        for lib in $WGRAD_AB_LIBS; do
+          MOE_GROUPED_CORE_LIB=$PWD/$lib/libmoe_grouped_core.so python3 tools/fp8_wgrad_probe.py \
+            ${WGRAD_PROBE_ARGS:-} 2>&1 | tr '|' '\n' | grep -E "TF|Error" | sed "s|^ *|$lib $i: |" >> "$OUT/wgrad_ab.log"
+        done
+      done
+      cat "$OUT/wgrad_ab.log" ;;
+    moe-ab)
+      for set in ${MOE_AB_SETS:?}; do
+        IFS=: read -r name tree lib <<< "$set"
+        runner=""; [ -n "$tree" ] && runner="tools/run_with_tree.py $tree"
+        MOE_GROUPED_CORE_LIB=$PWD/$lib/libmoe_grouped_core.so TAIL=16 run "moe_ab_$name" \
+          python3 $runner benchmarks/moe_layer.py --shapes experts_path
+        cp "$(ls -t benchmarks/results/moe_layer_experts_path-*.json | head -1)" "$OUT/moe_ab_$name.json"
+      done ;;
     layer-profile)
       TAIL=120 run layer_profile python3 tools/layer_profile.py ${LAYER_PROFILE_ARGS:-} ;;
     probe)

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "core/columnwise_layout.h"
+
 namespace moe_grouped {
 
 constexpr int kSetupThreads = 1024;
@@ -72,8 +74,9 @@ __device__ void scan_splits(const SplitT* m_splits, int num_groups, int64_t tota
 }
 
 // Where a group starts in the column-wise FP8 layout (see
-// mg_quantize_columnwise_grouped_1x128): its first padded column
-// p_e = sum_{j<e} round_up(m_j, 16) and its first 128-token scale block
+// mg_quantize_columnwise_grouped_1x128 and core/columnwise_layout.h): its
+// first padded column p_e = sum_{j<e} round_up(m_j, 128) and its first
+// 128-token scale block
 // b_e = sum_{j<e} ceil(m_j / 128), over the clamped counts, so that both stay
 // inside buffers sized from `total_rows` and `num_groups`.
 struct ColumnwiseStart {
@@ -87,10 +90,10 @@ struct ColumnwiseStartSum {
   }
 };
 
-// What a group of `count` tokens takes in that layout: round_up(count, 16)
+// What a group of `count` tokens takes in that layout: round_up(count, 128)
 // columns and ceil(count / 128) scale blocks.
 __device__ inline ColumnwiseStart columnwise_extent(int64_t count) {
-  return {(count + 15) / 16 * 16, (count + 127) / 128};
+  return {columnwise_round_up(count), (count + kColumnwiseBlock - 1) / kColumnwiseBlock};
 }
 
 // As scan_splits, calling `visit(g, offset, count, columnwise_start)`.

@@ -15,8 +15,6 @@
 namespace moe_grouped {
 namespace {
 
-using fp8_gemm::columnwise_padded_rows;
-using fp8_gemm::columnwise_scale_rows;
 using sequence::aligned;
 using sequence::check_scratch_aligned;
 using sequence::check_sizes;

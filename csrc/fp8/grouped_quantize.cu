@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "core/columnwise_layout.h"
 #include "core/device_guard.h"
 #include "core/kernel_attributes.h"
 #include "core/setup.cuh"
@@ -311,7 +312,6 @@ __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs&
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int segment = lane % kLanesPerColumn;
-  const int segment_rows = span.valid_rows - segment * kSegment;  // may be <= 0
   uint8_t* qt_block = a.qt + span.qt_column + segment * kSegment;
 #pragma unroll 1
   for (int round = 0; round < kTileCols / kColumnsPerRound; ++round) {
@@ -332,13 +332,11 @@ __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs&
     const int64_t col = col0 + c;
     if (col >= a.cols) continue;
     const float scale = compute_scale(amax, a.fp8_max, a.pow2, a.epsilon);
-    // A partial segment (the group's last) is stored whole: the tile's rows
-    // past valid_rows are zeros, which land in the group's own padding up to
-    // round_up(m_e, 16), so every 16-byte run of qt is written at once (a
-    // partly written DRAM sector costs the memory a read-modify-write).
-    if (segment_rows > 0) {
-      store_fp8x16(qt_block + col * a.padded_rows, pack_fp8x16<kE4M3>(v, scale), kSegment, vector);
-    }
+    // The group's last tile is stored whole: its rows past valid_rows are
+    // zeros, which land in the group's own padding (it starts on a 128-token
+    // boundary), so each column's 128-byte run is written at once (a partly
+    // written DRAM sector costs the memory a read-modify-write).
+    store_fp8x16(qt_block + col * a.padded_rows, pack_fp8x16<kE4M3>(v, scale), kSegment, vector);
     if (segment == 0) {
       a.scale_inv_t[block * a.cols + col] = 1.f / scale;
       if (kSum && a.partials != nullptr) a.partials[block * a.cols + col] = sum;
@@ -510,7 +508,7 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.index = index;
     args.source_rows = source_rows;
     args.col_tiles = col_tiles;
-    args.padded_rows = (rows + 15) / 16 * 16 + 16 * static_cast<int64_t>(num_groups);
+    args.padded_rows = columnwise_padded_rows(rows, num_groups);
     // Column-wise only: bands of two column tiles. With the row-wise copy as
     // well, the walk over all columns (the row-wise writes want whole rows).
     // Measured: docs/kernels.md, "FP8 quantize".

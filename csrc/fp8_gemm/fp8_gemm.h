@@ -8,19 +8,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/columnwise_layout.h"
 #include "moe_grouped/moe_grouped.h"
 
 namespace moe_grouped::fp8_gemm {
-
-// Leading dimension of the grouped column-wise FP8 operands: every group
-// starts on a 16-byte boundary (TMA), so up to 15 padding columns per group.
-inline int64_t columnwise_padded_rows(int64_t rows, int num_groups) {
-  return (rows + 15) / 16 * 16 + 16 * static_cast<int64_t>(num_groups);
-}
-// Rows of the column-wise scale tensor: every group's 128-token blocks.
-inline int64_t columnwise_scale_rows(int64_t rows, int num_groups) {
-  return (rows + 127) / 128 + num_groups;
-}
 
 // One block-scaled FP8 grouped GEMM, validated by the API layer. Operand
 // layouts per kind are those of the header's FP8 GEMM section.

@@ -172,7 +172,7 @@ def quantize_columnwise_grouped(
 
     For x [M, K] and E experts, returns data [K, columnwise_padded_rows(M, E)]
     (expert e's m_e tokens in columns [p_e, p_e + m_e), p_e = sum over j < e
-    of round_up(m_j, 16), then zeros up to p_e + round_up(m_e, 16)) and
+    of round_up(m_j, 128), then zeros up to p_e + round_up(m_e, 128)) and
     scale_inv [columnwise_scale_rows(M, E), K] (expert e's 128-token blocks
     in rows [b_e, b_e + ceil(m_e / 128)), b_e = sum over j < e of
     ceil(m_j / 128)). Positions no expert owns are not written. ``out``

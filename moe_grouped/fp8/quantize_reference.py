@@ -117,15 +117,16 @@ def dequantize_128x128(q: BlockQuantized) -> torch.Tensor:
 # ---- grouped column-wise layout (the FP8 wgrad operands) --------------------
 #
 # Group e (tokens [o_e, o_e + m_e)) starts at column p_e = sum_{j<e}
-# round_up(m_j, 16) of the data (16-byte aligned, as TMA needs) and at scale
-# row b_e = sum_{j<e} ceil(m_j / 128). Sizes depend only on (M, E), so buffers
-# are static under CUDA graphs while the split changes.
+# round_up(m_j, 128) of the data (128-byte aligned: the wgrad's TMA boxes
+# then read whole lines) and at scale row b_e = sum_{j<e} ceil(m_j / 128).
+# Sizes depend only on (M, E), so buffers are static under CUDA graphs while
+# the split changes.
 
-COLUMNWISE_ALIGN = 16  # tokens: every group's first column is a multiple of this
+COLUMNWISE_ALIGN = 128  # tokens: every group's first column is a multiple of this
 
 
 def columnwise_padded_rows(rows: int, num_groups: int) -> int:
-    """Columns of the column-wise data: room for every group, 16-aligned."""
+    """Columns of the column-wise data: room for every group, 128-aligned."""
     return -(-rows // COLUMNWISE_ALIGN) * COLUMNWISE_ALIGN + COLUMNWISE_ALIGN * num_groups
 
 
@@ -162,7 +163,7 @@ def quantize_grouped_columnwise(
     [b_e, b_e + ceil(m_e / 128)) (one row per 128-token block: per group a
     packed [blocks, K] matrix). Blocks restart at each group's first token.
     Every other position is zero here; the CUDA kernels write the zeros of
-    each group's own padding, up to p_e + round_up(m_e, 16), and leave the
+    each group's own padding, up to p_e + round_up(m_e, 128), and leave the
     positions no group owns untouched. ``splits`` must sum to M.
     """
     check_quantize_options(fp8_dtype, pow2_scales, amax_epsilon)

@@ -291,12 +291,13 @@ MG_API mg_status mg_quantize_rowwise_1x128(const void* x, mg_dtype x_dtype, int6
  * x[rows, cols] (m_splits on the device, clamped like mg_grouped_setup); its
  * transpose X_e^T [cols, m_e] is quantized in 1x128 blocks along the tokens,
  * blocks restarting at the group's first token. With
- *   p_e = sum_{j<e} round_up(m_j, 16)   (16-byte aligned group starts)
+ *   p_e = sum_{j<e} round_up(m_j, 128)   (128-byte aligned group starts)
  *   b_e = sum_{j<e} ceil(m_j / 128):
- *   qt[cols, padded_rows] fp8, padded_rows = round_up(rows, 16) + 16 * E:
+ *   qt[cols, padded_rows] fp8, padded_rows = round_up(rows, 128) + 128 * E:
  *     qt[c, p_e + t] = token t of group e, column c, for t < m_e, and 0
- *     for m_e <= t < round_up(m_e, 16) (whole 16-byte runs are stored: a
- *     partial run costs the memory a read-modify-write);
+ *     for m_e <= t < round_up(m_e, 128) (whole 128-byte runs are stored:
+ *     the wgrad's TMA boxes read aligned lines, and a partial run costs the
+ *     memory a read-modify-write);
  *   scale_inv_t[scale_rows, cols] fp32, scale_rows = ceil(rows / 128) + E:
  *     scale_inv_t[b_e + j, c] = block j (tokens [128 j, 128 j + 128)) of
  *     group e, column c: per group a packed [ceil(m_e / 128), cols] matrix.
@@ -712,7 +713,7 @@ MG_API mg_status mg_experts_backward_fc1(const mg_experts_backward_args* args, v
  *   BACKWARD_DG_COLUMNWISE: dg column-wise (backward) into dg_t.
  *   BACKWARD_FC1_WGRAD: the tokens through index column-wise (forward) into
  *     scratch; dw1 = mg_grouped_fp8_wgrad(dg_t, that).
- * padded rows: round_up(R, 16) + 16 E, as mg_quantize_columnwise_grouped_1x128
+ * padded rows: round_up(R, 128) + 128 E, as mg_quantize_columnwise_grouped_1x128
  * lays out. R = total_rows > 0, T = num_tokens > 0; dw1 and dw2 bf16, not
  * accumulated. Quantizers and GEMMs use the workspace slots the Python
  * stages give them (reserve before capture as for those).                  */
