@@ -223,10 +223,11 @@ def test_wgrad_kernel_matches_reference(shape, pattern, fp8_dtype, out_dtype, ac
 @kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
-@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
+@pytest.mark.parametrize("schedule", ["cooperative", "pingpong", "narrow"])
 def test_wgrad_schedules_into_fp32_match_reference(shape, pattern, schedule, monkeypatch):
-    """E4M3 wgrad into fp32 has a cooperative and a ping-pong kernel (the heuristic picks by tokens
-    per expert); MOE_GROUPED_FP8_SCHEDULE forces each, and both must match the reference."""
+    """E4M3 wgrad into fp32 has cooperative 128x256, ping-pong and 128x128 kernels (the heuristic
+    picks by tokens per expert and N); MOE_GROUPED_FP8_SCHEDULE forces each, and each must match the
+    reference."""
     monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", schedule)
     e, m, n, k = shape
     splits = make_splits(pattern, e, m, seed=n + k + 1)
@@ -241,6 +242,24 @@ def test_wgrad_schedules_into_fp32_match_reference(shape, pattern, schedule, mon
                                accumulate=True)
     for g in range(e):
         assert_near(got[g].float(), want[g].double(), 2e-3, f"wgrad {schedule} {shape} {pattern}: group {g}")
+
+
+@pytest.mark.gpu
+@kernels
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_wgrad_tiles_give_the_same_bits(shape, out_dtype, monkeypatch):
+    """The 128x256 wgrad tile promotes each 64x128 half as the 128x128 kernel promotes its tile."""
+    e, m, n, k = shape
+    splits = make_splits("skewed", e, m, seed=n + k)
+    dyt = to(pack_columnwise(rand(m, n, seed=12), splits, torch.float8_e4m3fn), "cuda")
+    xt = to(pack_columnwise(rand(m, k, seed=13), splits, torch.float8_e4m3fn), "cuda")
+    out = {}
+    for schedule in ("cooperative", "narrow"):
+        monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", schedule)
+        out[schedule] = torch.full((e, n, k), float("nan"), device="cuda", dtype=out_dtype)
+        fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits, device="cuda"), [out[schedule]], total_rows=m)
+    assert torch.equal(out["cooperative"], out["narrow"]), shape
 
 
 @pytest.mark.gpu

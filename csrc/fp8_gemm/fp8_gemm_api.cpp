@@ -25,29 +25,48 @@ const Fp8KernelList& all_kernels(int index) {
   static const Fp8KernelList lists[] = {sm90_fp8_fprop_kernels(), sm90_fp8_dgrad_kernels(),
                                         sm90_fp8_wgrad_e4m3_kernels(),
                                         sm90_fp8_wgrad_e5m2_kernels(),
-                                        sm90_fp8_wgrad_pingpong_kernels()};
+                                        sm90_fp8_wgrad_pingpong_kernels(),
+                                        sm90_fp8_wgrad_narrow_kernels()};
   return lists[index];
 }
-constexpr int kKernelLists = 5;
+constexpr int kKernelLists = 6;
 
-// The schedule the heuristic picks, fixed by shapes known before capture:
-// wgrad with at most 1024 tokens per expert on average (the GEMM's reduction
-// length) runs the ping-pong kernel, whose overlapped epilogue wins on short
-// reductions (built for E4M3 into fp32; docs/kernels.md, "FP8 GEMMs").
-// Everything else: cooperative, the only schedule built.
+// The schedules in the order the heuristic prefers them, fixed by shapes known
+// before capture; the first one built for the call's dtypes runs
+// (docs/kernels.md, "FP8 GEMMs"):
+//  - wgrad with at most 1024 tokens per expert on average (the GEMM's
+//    reduction length): ping-pong, whose overlapped epilogue wins on short
+//    reductions (built for E4M3 into fp32);
+//  - the cooperative 128x256 tile; but a wgrad whose N leaves more of the
+//    cluster's pair of 256-column tiles empty than of a pair of 128-column
+//    ones (round_up(N, 512) > round_up(N, 256), e.g. N = 768: a third of the
+//    pairs' CTAs idle) first tries the 128x128 tile (built for E4M3).
 constexpr int64_t kPingpongMaxTokensPerExpert = 1024;
 
-// MOE_GROUPED_FP8_SCHEDULE=cooperative|pingpong overrides the heuristic where
-// a kernel of that schedule is built (tests and measurements).
+// MOE_GROUPED_FP8_SCHEDULE=cooperative|pingpong|narrow puts that schedule
+// first where a kernel of it is built (tests and measurements).
 constexpr const char* kScheduleEnv = "MOE_GROUPED_FP8_SCHEDULE";
 
-Fp8Schedule preferred_schedule(mg_gemm_kind kind, int64_t total_rows, int num_groups) {
+struct SchedulePreference {
+  Fp8Schedule order[4];
+  int count = 0;
+  void add(Fp8Schedule s) { order[count++] = s; }
+};
+
+SchedulePreference preferred_schedules(mg_gemm_kind kind, int64_t total_rows, int num_groups, int64_t n) {
+  SchedulePreference p;
   if (const char* value = std::getenv(kScheduleEnv); value != nullptr) {
-    if (std::strcmp(value, "pingpong") == 0) return Fp8Schedule::kPingpong;
-    if (std::strcmp(value, "cooperative") == 0) return Fp8Schedule::kCooperative;
+    if (std::strcmp(value, "pingpong") == 0) p.add(Fp8Schedule::kPingpong);
+    if (std::strcmp(value, "cooperative") == 0) p.add(Fp8Schedule::kCooperative);
+    if (std::strcmp(value, "narrow") == 0) p.add(Fp8Schedule::kNarrow);
   }
-  const bool short_reduction = total_rows <= kPingpongMaxTokensPerExpert * static_cast<int64_t>(num_groups);
-  return kind == MG_GEMM_WGRAD && short_reduction ? Fp8Schedule::kPingpong : Fp8Schedule::kCooperative;
+  if (kind == MG_GEMM_WGRAD) {
+    if (total_rows <= kPingpongMaxTokensPerExpert * static_cast<int64_t>(num_groups)) p.add(Fp8Schedule::kPingpong);
+    const bool half_empty_pairs = (n + 511) / 512 * 512 > (n + 255) / 256 * 256;
+    if (half_empty_pairs) p.add(Fp8Schedule::kNarrow);
+  }
+  p.add(Fp8Schedule::kCooperative);
+  return p;
 }
 
 template <class Visit>
@@ -58,12 +77,20 @@ void for_each_kernel(Visit visit) {
   }
 }
 
+// The kernel of the first preferred schedule built for (kind, dtypes), or
+// else any kernel built for them.
 const Fp8KernelEntry* find_kernel(mg_gemm_kind kind, mg_dtype a_dtype, mg_dtype out_dtype,
-                                  Fp8Schedule preferred) {
+                                  const SchedulePreference& preferred) {
   const Fp8KernelEntry* found = nullptr;
+  int rank = preferred.count;  // of `found`'s schedule in the preference; count: not in it
   for_each_kernel([&](const Fp8KernelEntry& e) {
     if (e.kind != kind || e.a_dtype != a_dtype || e.out_dtype != out_dtype) return;
-    if (found == nullptr || (found->schedule != preferred && e.schedule == preferred)) found = &e;
+    int r = 0;
+    while (r < preferred.count && preferred.order[r] != e.schedule) ++r;
+    if (found == nullptr || r < rank) {
+      found = &e;
+      rank = r;
+    }
   });
   return found;
 }
@@ -116,8 +143,10 @@ mg_status run_gemm(const mg_grouped_problem* p, Fp8GemmCall call, mg_dtype out_d
   MG_RETURN_IF_ERROR(guard.enter(p->device));
   int sms = 0;
   MG_RETURN_IF_ERROR(gemm::sm_count(p->device, &sms));
-  const Fp8KernelEntry* entry = find_kernel(call.kind, call.a.dtype, out_dtype,
-                                            preferred_schedule(call.kind, p->total_rows, p->num_groups));
+  // The GEMM's N: the output columns (fprop n, dgrad k, wgrad k: dW is [n, k]).
+  const int64_t gemm_n = call.kind == MG_GEMM_FPROP ? p->n : p->k;
+  const Fp8KernelEntry* entry = find_kernel(
+      call.kind, call.a.dtype, out_dtype, preferred_schedules(call.kind, p->total_rows, p->num_groups, gemm_n));
   if (entry == nullptr) {
     return fail(MG_ERROR_UNSUPPORTED, "no FP8 grouped %s kernel is built for %s x float8_e4m3fn -> %s",
                 kind_name(call.kind), dtype_name(call.a.dtype), dtype_name(out_dtype));

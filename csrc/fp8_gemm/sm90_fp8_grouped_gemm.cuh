@@ -58,9 +58,9 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
   using Config = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, kMajor, kMajor>;
 };
 
-// Cooperative: two consumer warpgroups share one tile (fprop and dgrad: see
-// kWideTile below). Ping-pong: each warpgroup owns a 64x128 tile and its
-// epilogue overlaps the other's mainloop.
+// Cooperative and narrow: two consumer warpgroups share one tile (128x256 and
+// 128x128: see kWideTile below). Ping-pong: each warpgroup owns a 64x128 tile
+// and its epilogue overlaps the other's mainloop.
 //
 // CUTLASS's mainloop waits for each K block's wgmmas before promoting them
 // with the scales. For wgrad that promotion costs real time, but the five
@@ -75,6 +75,8 @@ struct ScheduleTraits<Fp8Schedule::kCooperative> {
   using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
 };
+template <>
+struct ScheduleTraits<Fp8Schedule::kNarrow> : ScheduleTraits<Fp8Schedule::kCooperative> {};
 template <>
 struct ScheduleTraits<Fp8Schedule::kPingpong> {
   using Tile = cute::Shape<cute::_64, _128, _128>;
@@ -105,11 +107,11 @@ struct Fp8GroupedGemm {
   // fprop/dgrad slower (docs/kernels.md, "Store maps").
   static constexpr bool kPrebuiltStore = false;
   static constexpr bool kSwigluBackward = false;  // no SwiGLU-backward epilogue (finish_launch)
-  // fprop and dgrad: 128x256 tiles through WideTileMainloop, at least as fast
-  // as the 128x128 CUTLASS mainloop on every benchmark shape. wgrad: CUTLASS's
-  // mainloop on the schedule's tile (the same split on a 256x128 wgrad tile
-  // spills and gained nothing). docs/kernels.md, "FP8 GEMMs".
-  static constexpr bool kWideTile = Kind != MG_GEMM_WGRAD && Schedule == Fp8Schedule::kCooperative;
+  // Cooperative: 128x256 tiles through WideTileMainloop, at least as fast as
+  // the 128x128 CUTLASS mainloop where N fills the pairs of 256-column tiles
+  // (fp8_gemm_api.cpp). Narrow and ping-pong (wgrad): CUTLASS's mainloop on
+  // the schedule's tile. docs/kernels.md, "FP8 GEMMs".
+  static constexpr bool kWideTile = Schedule == Fp8Schedule::kCooperative;
   using Tile = std::conditional_t<kWideTile, cute::Shape<_128, cute::_256, _128>,
                                   typename ScheduleTraits<Schedule>::Tile>;
   // Pairs sharing the A tile (TMA multicast of A); 2x2 and 2x1 clusters

@@ -1,13 +1,17 @@
-// The consumer side of CUTLASS's SM90 ptr-array FP8 blockwise mainloop for
-// fprop and dgrad (one A scale per row and one B scale per 128x128 block of
-// every 128-deep K block) on a 128x256 tile, which asks less of shared memory
-// per FLOP than 128x128 (at 128x128 shared memory cannot feed the tensor
-// cores: docs/kernels.md, "FP8 GEMMs"). CUTLASS's own mainloop cannot run the
-// tile: its m64n256 temporary (128 registers) next to the 128 accumulators
-// does not fit in the consumers' 232, so here each warpgroup computes its
-// 64x256 tile as two 64x128 halves through one 64-register temporary, each
-// promoted as soon as its wgmmas finish, with CUTLASS's expression (row scale
-// times block scale, then one FMA): the same bits as CUTLASS's 128x128 kernel.
+// The consumer side of CUTLASS's SM90 ptr-array FP8 blockwise mainloop on a
+// 128x256 tile, which asks less of shared memory per FLOP than 128x128 (at
+// 128x128 shared memory cannot feed the tensor cores: docs/kernels.md, "FP8
+// GEMMs"), for both scale layouts of every 128-deep K block:
+//   fprop, dgrad: one A scale per row, one B scale per 128x128 block;
+//   wgrad: one A scale per row and one B scale per column (both MN-major).
+// CUTLASS's own mainloop cannot run the tile: its m64n256 temporary (128
+// registers) next to the 128 accumulators does not fit in the consumers' 232,
+// so here each warpgroup computes its 64x256 tile as two 64x128 halves through
+// one 64-register temporary, each promoted as soon as its wgmmas finish, with
+// CUTLASS's expressions (fprop/dgrad: row scale times block scale, then one
+// FMA; wgrad: temporary times row scale times column scale, the column scales
+// read from shared memory as the FMAs need them): the same bits as CUTLASS's
+// 128x128 kernels.
 // Everything else (TMA producer, pipeline, scale staging, shared storage,
 // arguments) is the CUTLASS collective's: this type derives from it and hides
 // only mma(), which the kernels call on the collective they are given. Release
@@ -38,8 +42,10 @@ struct WideTileMainloop : Base {
   static constexpr int kTileN = cute::size<1>(TileShape{});
   static constexpr int kHalfN = kTileN / 2;
   static_assert(kTileM == 128 && kTileN == 256, "written for a 128x256 tile");
-  static_assert(Base::ScaleMsPerTile == kTileM && Base::ScaleNsPerTile == 2,
-                "one A scale per row, one B scale per 128 columns");
+  // One B scale per 128 columns (fprop, dgrad) or per column (wgrad).
+  static constexpr bool kColumnScales = Base::ScaleNsPerTile == kTileN;
+  static_assert(Base::ScaleMsPerTile == kTileM && (Base::ScaleNsPerTile == 2 || kColumnScales),
+                "one A scale per row; one B scale per 128 columns or per column");
   static_assert(Base::ScalePromotionInterval == 4, "K scale granularity must be one K tile (128)");
 
   // The base's two warpgroups along M, each on a 64 x kHalfN half.
@@ -80,11 +86,28 @@ struct WideTileMainloop : Base {
     Tensor tCsSFA = half_mma.get_slice(thread_idx).partition_C(sSFA);  // (MMA,MMA_M,MMA_N,(MMA_K,PIPE))
     Tensor tCrSFA = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
     Tensor tCrScale = make_tensor_like<ElementBlockScale>(tCsSFA(_, _, _, _0{}));
+    // wgrad: this thread's column scales of each half, (MMA,MMA_M,MMA_N,(BLK_K,PIPE)) like tCsSFA.
+    auto column_scales = [&]() {
+      if constexpr (kColumnScales) {
+        Tensor sSFB = make_tensor(
+            make_smem_ptr(sfb),
+            make_layout(make_shape(Int<kTileM>{}, shape<0>(SmemLayoutSFB{}),
+                                   make_shape(shape<1>(SmemLayoutSFB{}), shape<2>(SmemLayoutSFB{}))),
+                        make_stride(_0{}, stride<0>(SmemLayoutSFB{}),
+                                    make_stride(stride<1>(SmemLayoutSFB{}), stride<2>(SmemLayoutSFB{})))));
+        Tensor halves = flat_divide(sSFB, Shape<Int<kTileM>, Int<kHalfN>>{});  // (BLK_M,HALF,1,2,(BLK_K,PIPE))
+        auto thread = half_mma.get_slice(thread_idx);
+        return make_tuple(thread.partition_C(halves(_, _, _0{}, _0{}, _)),
+                          thread.partition_C(halves(_, _, _0{}, _1{}, _)));
+      } else {
+        return make_tuple(0, 0);  // fprop/dgrad: one scale per half, read in half_step
+      }
+    }();
 
     Tensor part = partition_fragment_C(half_mma, Shape<Int<kTileM>, Int<kHalfN>>{});
     static_assert(decltype(size(part))::value * 2 == decltype(size(accum))::value, "two halves make the tile");
 
-    auto half_step = [&](auto half, auto const& tCrB, int stage) __attribute__((always_inline)) {
+    auto half_step = [&](auto half, auto const& tCrB, auto const& tCsSFB, int stage) __attribute__((always_inline)) {
       half_mma.accumulate_ = GMMA::ScaleOut::Zero;
       warpgroup_fence_operand(part);
       warpgroup_arrive();
@@ -94,20 +117,32 @@ struct WideTileMainloop : Base {
         half_mma.accumulate_ = GMMA::ScaleOut::One;
       }
       warpgroup_commit_batch();
-      // The scale of each row times the half's B scale, as CUTLASS's
-      // 128x128 kernel forms it (so that results are the same bits).
-      const ElementBlockScale scale_b = sfb[SmemLayoutSFB{}(decltype(half)::value * kHalfN, 0, stage)];
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
-        filter_zeros(tCrScale)(i) = filter_zeros(tCrSFA)(i) * scale_b;
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(part);
       constexpr int kOffset = decltype(half)::value * decltype(size(part))::value;
-      warpgroup_fence_operand(accum);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrScale(i);
-      warpgroup_fence_operand(accum);
+      if constexpr (kColumnScales) {
+        // temporary * row scale * column scale, in CUTLASS's order (so that
+        // results are the same bits as its 128x128 kernel).
+        Tensor column_scale = tCsSFB(_, _, _, make_coord(_0{}, stage));
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(part);
+        warpgroup_fence_operand(accum);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrSFA(i) * column_scale(i);
+        warpgroup_fence_operand(accum);
+      } else {
+        // The scale of each row times the half's B scale, as CUTLASS's
+        // 128x128 kernel forms it (so that results are the same bits).
+        const ElementBlockScale scale_b = sfb[SmemLayoutSFB{}(decltype(half)::value * kHalfN, 0, stage)];
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
+          filter_zeros(tCrScale)(i) = filter_zeros(tCrSFA)(i) * scale_b;
+        }
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(part);
+        warpgroup_fence_operand(accum);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrScale(i);
+        warpgroup_fence_operand(accum);
+      }
     };
 
     clear(accum);
@@ -118,8 +153,8 @@ struct WideTileMainloop : Base {
       const int stage = smem_pipe_read.index();
       ++smem_pipe_read;
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-      half_step(_0{}, tCrB0, stage);
-      half_step(_1{}, tCrB1, stage);
+      half_step(_0{}, tCrB0, get<0>(column_scales), stage);
+      half_step(_1{}, tCrB1, get<1>(column_scales), stage);
       // All four warps are past this stage's reads before its release (only
       // a few threads signal the producers); the last stage is mma_tail()'s.
       if (k + 1 < k_tile_count) {
