@@ -1,7 +1,6 @@
-"""Where the FP8 wgrad's time goes: the grouped FP8 wgrad against bf16 and dense FP8 over reduction lengths.
+"""Usage: python tools/fp8_wgrad_probe.py [--cases mixtral_fc1,qwen3_fc1] [--tokens 512,1024,2048,4096] [--splits balanced,random] [--rounds 3] [--digest] [--ncu CASE:TOKENS] [--json PATH]
 
-Usage: python tools/fp8_wgrad_probe.py [--cases mixtral_fc1,qwen3_fc1] [--tokens 512,1024,2048,4096]
-                                       [--splits balanced,random] [--rounds 3] [--ncu CASE:TOKENS] [--json PATH]
+Where the FP8 wgrad's time goes: the grouped FP8 wgrad against bf16 and dense FP8 over reduction lengths.
 
 For each case (an expert's dW of N x K, E experts) and each reduction length (tokens per expert) and split pattern
 (split_counts), graph replays timed in interleaved rounds (median, L2 flushed), in one process:
@@ -125,7 +124,7 @@ def measure(name: str, tokens: int, splits: str, rounds: int, flush: L2Flush) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     parser.add_argument("--cases", default="mixtral_fc1,qwen3_fc1")
     parser.add_argument("--tokens", default="512,1024,2048,4096")
     parser.add_argument("--splits", default="balanced", help="comma-separated: " + "balanced,shifted16,random,random128")
