@@ -6,6 +6,7 @@ For each case (an expert's dW of N x K, E experts) and each reduction length (to
 (split_counts), graph replays timed in interleaved rounds (median, L2 flushed), in one process:
   fp8                     the core's FP8 wgrad into bf16 (the fused layer's dW; cooperative, the one built)
   fp8_fp32                the core's FP8 wgrad into fp32 (main_grad; its heuristic's schedule)
+  fp8_along_n             fp8 with the tiles walked along N (MOE_GROUPED_GEMM_RASTER=n; along M by default)
   bf16                    the core's bf16 wgrad
   dense_fp8               torch._scaled_mm of [E*N, T] x [T, K]: the same FLOPs and reduction length
 With --digest it prints a digest of each FP8 output instead (two core builds give the same bits when
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -95,6 +97,23 @@ class Case:
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
+def with_env(name: str, value: str, fn):
+    """``fn`` run (and captured) with the environment variable set."""
+
+    def run():
+        before = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            fn()
+        finally:
+            if before is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = before
+
+    return run
+
+
 def digest(t: torch.Tensor) -> str:
     """A position-weighted wrapping sum of the tensor's 32-bit words: equal bits, equal digests."""
     words = t.contiguous().view(torch.int32).flatten()
@@ -110,6 +129,7 @@ def measure(name: str, tokens: int, splits: str, rounds: int, flush: L2Flush) ->
     case = Case(name, tokens, splits)
     runs = {"fp8": graphed(case.fp8_wgrad(case.dw)),
             "fp8_fp32": graphed(case.fp8_wgrad(case.dw32)),
+            "fp8_along_n": graphed(with_env("MOE_GROUPED_GEMM_RASTER", "n", case.fp8_wgrad(case.dw))),
             "bf16": graphed(case.bf16_wgrad()),
             "dense_fp8": graphed(case.dense_fp8())}
     times = timed_rounds(runs, rounds, flush, per_round=10)
@@ -147,7 +167,9 @@ def main() -> None:
                 case = Case(name, int(tokens), splits)
                 case.fp8_wgrad(case.dw)()
                 case.fp8_wgrad(case.dw32)()
-                print(f"digest {name}:{tokens}:{splits} bf16 {digest(case.dw)} fp32 {digest(case.dw32)}", flush=True)
+                line = f"digest {name}:{tokens}:{splits} bf16 {digest(case.dw)} fp32 {digest(case.dw32)}"
+                with_env("MOE_GROUPED_GEMM_RASTER", "n", case.fp8_wgrad(case.dw))()
+                print(f"{line} bf16_along_n {digest(case.dw)}", flush=True)
                 del case
                 torch.cuda.empty_cache()
         return

@@ -32,7 +32,7 @@ struct Fp8GemmCall {
   int sm_count;
   void* workspace;
   // The shared launch reads it (gemm/heuristic.h): the FP8 kernels keep
-  // CUTLASS's order along M, the order along N not being measured for them.
+  // CUTLASS's order along M unless MOE_GROUPED_GEMM_RASTER forces N.
   bool raster_along_n = false;
 };
 

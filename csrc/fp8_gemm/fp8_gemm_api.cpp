@@ -39,8 +39,9 @@ constexpr int kKernelLists = 6;
 //    reductions (built for E4M3 into fp32);
 //  - the cooperative 128x256 tile; but a wgrad whose N leaves more of the
 //    cluster's pair of 256-column tiles empty than of a pair of 128-column
-//    ones (round_up(N, 512) > round_up(N, 256), e.g. N = 768: a third of the
-//    pairs' CTAs idle) first tries the 128x128 tile (built for E4M3).
+//    ones (round_up(N, 512) > round_up(N, 256), e.g. N = 768: three tiles in
+//    two pairs, a quarter of the CTAs idle) first tries the 128x128 tile
+//    (built for E4M3).
 constexpr int64_t kPingpongMaxTokensPerExpert = 1024;
 
 // MOE_GROUPED_FP8_SCHEDULE=cooperative|pingpong|narrow puts that schedule
@@ -151,6 +152,7 @@ mg_status run_gemm(const mg_grouped_problem* p, Fp8GemmCall call, mg_dtype out_d
     return fail(MG_ERROR_UNSUPPORTED, "no FP8 grouped %s kernel is built for %s x float8_e4m3fn -> %s",
                 kind_name(call.kind), dtype_name(call.a.dtype), dtype_name(out_dtype));
   }
+  MG_RETURN_IF_ERROR(gemm::forced_tile_order(false, &call.raster_along_n));
   auto cuda_stream = static_cast<cudaStream_t>(stream);
   void* workspace = nullptr;
   MG_RETURN_IF_ERROR(workspace_get(p->device, p->workspace_slot,

@@ -2,6 +2,8 @@
 #include "gemm/api_common.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 #include <cstdint>
 #include <mutex>
 
@@ -139,6 +141,20 @@ mg_status check_out_dtype(const char* op, const char* name, mg_dtype dtype, mg_d
                 op, name, dtype_name(dtype), dtype_name(out));
   }
   return MG_OK;
+}
+
+mg_status forced_tile_order(bool heuristic, bool* along_n) {
+  constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
+  const char* value = std::getenv(kRasterEnv);
+  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "auto") == 0) {
+    *along_n = heuristic;
+    return MG_OK;
+  }
+  if (std::strcmp(value, "m") == 0 || std::strcmp(value, "n") == 0) {
+    *along_n = value[0] == 'n';
+    return MG_OK;
+  }
+  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, m or n", kRasterEnv, value);
 }
 
 }  // namespace moe_grouped::gemm

@@ -19,6 +19,11 @@ const char* kind_name(mg_gemm_kind kind);
 mg_status check_kind(const char* op, mg_gemm_kind kind);
 // Multiprocessor count, queried once per device: the persistent grid size.
 mg_status sm_count(int device, int* out);
+
+// The tile order: `heuristic` (true: along N), unless MOE_GROUPED_GEMM_RASTER
+// ("m" or "n"; "auto" or unset: the heuristic) forces one (measurement and
+// tests; the 16-bit and FP8 GEMMs alike).
+mg_status forced_tile_order(bool heuristic, bool* along_n);
 // The fields every grouped problem needs: groups, m_splits, dtype, rows.
 mg_status check_problem(const mg_grouped_problem* p, const char* op);
 // n and k positive, below 2^31 and multiples of `multiple` (elements per

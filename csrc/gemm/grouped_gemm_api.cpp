@@ -26,10 +26,6 @@ constexpr const char* kTileEnv = "MOE_GROUPED_GEMM_TILE";
 // maps built before it ("prebuilt", the default; sm90_prebuilt_store_epilogue.cuh).
 constexpr const char* kStoreMapsEnv = "MOE_GROUPED_GEMM_STORE_MAPS";
 
-// Measurement and tests: "m" or "n" forces the tile order that
-// raster_along_n (heuristic.cpp) otherwise picks ("auto", or unset).
-constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
-
 // Measurement and tests: "pingpong" or "cutlass" forces the bf16 fprop's
 // kernel wherever the ping-pong kernel fits; "auto" (or unset) follows
 // prefer_pingpong_fprop, except that a forced MOE_GROUPED_GEMM_TILE (a
@@ -37,16 +33,7 @@ constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
 constexpr const char* kFpropEnv = "MOE_GROUPED_GEMM_FPROP";
 
 mg_status tile_order(const GemmShape& shape, bool* along_n) {
-  const char* value = std::getenv(kRasterEnv);
-  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "auto") == 0) {
-    *along_n = raster_along_n(shape);
-    return MG_OK;
-  }
-  if (std::strcmp(value, "m") == 0 || std::strcmp(value, "n") == 0) {
-    *along_n = value[0] == 'n';
-    return MG_OK;
-  }
-  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, m or n", kRasterEnv, value);
+  return forced_tile_order(raster_along_n(shape), along_n);
 }
 
 mg_status in_kernel_store_maps(bool* out) {
