@@ -264,6 +264,26 @@ def test_wgrad_tiles_give_the_same_bits(shape, out_dtype, monkeypatch):
 
 @pytest.mark.gpu
 @kernels
+@pytest.mark.parametrize("raster", ["m", "n"])
+def test_wgrad_tile_order_gives_the_same_bits(raster, monkeypatch):
+    """MOE_GROUPED_GEMM_RASTER forces the FP8 kernels' tile order too; only the order changes."""
+    e, m, n, k = 8, 1000, 272, 400
+    splits = make_splits("skewed", e, m, seed=3)
+    dyt = to(pack_columnwise(rand(m, n, seed=14), splits, torch.float8_e4m3fn), "cuda")
+    xt = to(pack_columnwise(rand(m, k, seed=15), splits, torch.float8_e4m3fn), "cuda")
+    out = {}
+    for order in ("auto", raster):
+        monkeypatch.setenv("MOE_GROUPED_GEMM_RASTER", order)
+        out[order] = torch.full((e, n, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+        fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits, device="cuda"), [out[order]], total_rows=m)
+    assert torch.equal(out["auto"], out[raster])
+    monkeypatch.setenv("MOE_GROUPED_GEMM_RASTER", "diagonal")
+    with pytest.raises(ValueError, match="MOE_GROUPED_GEMM_RASTER=diagonal: expected auto, m or n"):
+        fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits, device="cuda"), [out[raster]], total_rows=m)
+
+
+@pytest.mark.gpu
+@kernels
 def test_wgrad_kernel_into_separate_main_grads():
     e, m, n, k = 4, 600, 128, 256
     splits = [100, 0, 372, 128]

@@ -2,9 +2,9 @@
 #include "gemm/api_common.h"
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <cstdint>
 #include <mutex>
 
 namespace moe_grouped::gemm {

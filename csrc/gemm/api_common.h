@@ -24,6 +24,7 @@ mg_status sm_count(int device, int* out);
 // ("m" or "n"; "auto" or unset: the heuristic) forces one (measurement and
 // tests; the 16-bit and FP8 GEMMs alike).
 mg_status forced_tile_order(bool heuristic, bool* along_n);
+
 // The fields every grouped problem needs: groups, m_splits, dtype, rows.
 mg_status check_problem(const mg_grouped_problem* p, const char* op);
 // n and k positive, below 2^31 and multiples of `multiple` (elements per
