@@ -12,6 +12,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import pathlib
 import statistics
 import time
@@ -92,6 +93,21 @@ def graphed(fn, *, warmup: int = 3):
     with torch.cuda.graph(graph):
         fn()
     return graph.replay
+
+
+def forced(env: dict, fn):
+    """``fn`` run (and captured) with ``env`` set for the core; ``fn`` itself for an empty one (the core's choice)."""
+    if not env:
+        return fn
+
+    def run():
+        os.environ.update(env)
+        try:
+            return fn()
+        finally:
+            for name in env:
+                os.environ.pop(name)
+    return run
 
 
 def timed_rounds(runs: dict, rounds: int, flush: L2Flush, per_round: int) -> dict:

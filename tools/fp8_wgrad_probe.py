@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -26,13 +25,14 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import L2Flush, graphed, timed_rounds  # noqa: E402
+from common import L2Flush, forced, graphed, timed_rounds  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 from moe_grouped.fp8 import gemm as fp8_gemm  # noqa: E402
 from moe_grouped.gemm import cuda_backend  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
+ALONG_N = {"MOE_GROUPED_GEMM_RASTER": "n"}  # the core's tiles walked along N
 # name -> (N, K, E): fc1's dW is [2I, H], fc2's [H, I]
 CASES = {
     "mixtral_fc1": (2 * 14336, 4096, 8),
@@ -97,23 +97,6 @@ class Case:
         return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
 
 
-def with_env(name: str, value: str, fn):
-    """``fn`` run (and captured) with the environment variable set."""
-
-    def run():
-        before = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            fn()
-        finally:
-            if before is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = before
-
-    return run
-
-
 def digest(t: torch.Tensor) -> str:
     """A position-weighted wrapping sum of the tensor's 32-bit words: equal bits, equal digests."""
     words = t.contiguous().view(torch.int32).flatten()
@@ -129,7 +112,7 @@ def measure(name: str, tokens: int, splits: str, rounds: int, flush: L2Flush) ->
     case = Case(name, tokens, splits)
     runs = {"fp8": graphed(case.fp8_wgrad(case.dw)),
             "fp8_fp32": graphed(case.fp8_wgrad(case.dw32)),
-            "fp8_along_n": graphed(with_env("MOE_GROUPED_GEMM_RASTER", "n", case.fp8_wgrad(case.dw))),
+            "fp8_along_n": graphed(forced(ALONG_N, case.fp8_wgrad(case.dw))),
             "bf16": graphed(case.bf16_wgrad()),
             "dense_fp8": graphed(case.dense_fp8())}
     times = timed_rounds(runs, rounds, flush, per_round=10)
@@ -168,7 +151,7 @@ def main() -> None:
                 case.fp8_wgrad(case.dw)()
                 case.fp8_wgrad(case.dw32)()
                 line = f"digest {name}:{tokens}:{splits} bf16 {digest(case.dw)} fp32 {digest(case.dw32)}"
-                with_env("MOE_GROUPED_GEMM_RASTER", "n", case.fp8_wgrad(case.dw))()
+                forced(ALONG_N, case.fp8_wgrad(case.dw))()
                 print(f"{line} bf16_along_n {digest(case.dw)}", flush=True)
                 del case
                 torch.cuda.empty_cache()

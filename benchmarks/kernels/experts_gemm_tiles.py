@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 import pathlib
 import statistics
 import sys
@@ -55,7 +54,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
-from common import L2Flush, add_names, cli, graphed, print_table, prologue, round_rows, write_results  # noqa: E402
+from common import L2Flush, add_names, cli, forced, graphed, print_table, prologue, round_rows, write_results  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 from grouped_gemm import TILE_ENV  # noqa: E402
 from moe_layer import layer_step_rows  # noqa: E402
@@ -130,21 +129,6 @@ class Experts:
         if backend == "torch":
             return lambda: gm(a, b, offs=offs)
         return lambda: [a[s:u] @ b[g] for g, s, u in self.bounds]
-
-
-def forced(env: dict, fn):
-    """``fn`` run (and captured) with ``env`` set for the core; ``fn`` itself for an empty one (the core's choice)."""
-    if not env:
-        return fn
-
-    def run():
-        os.environ.update(env)
-        try:
-            return fn()
-        finally:
-            for name in env:
-                os.environ.pop(name)
-    return run
 
 
 def replays(core, reference, op: str, variants: dict) -> dict:

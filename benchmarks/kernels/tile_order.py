@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, grouped_gemm, moe_layer
 from common import L2Flush, cli, print_table, prologue, time_ms, write_results  # noqa: E402
-from experts_gemm_tiles import forced  # noqa: E402
+from common import forced  # noqa: E402
 from grouped_gemm import SPLITS, Problem, shape_name  # noqa: E402
 
 ROWS = 131072

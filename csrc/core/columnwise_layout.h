@@ -4,7 +4,7 @@
 // 128-token boundary and buffers have a multiple of 128 columns, so each
 // 128-token block of a group is one aligned 128-byte run of every row, which
 // is what the wgrad's TMA boxes read: with 16-token starts they straddled
-// lines and the wgrad ran 5-20% slower (docs/kernels.md, "FP8 quantize").
+// lines and the wgrad ran 5-20% slower (docs/kernels.md, "FP8 GEMMs").
 #pragma once
 
 #include <cstdint>
