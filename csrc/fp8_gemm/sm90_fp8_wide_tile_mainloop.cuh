@@ -118,31 +118,29 @@ struct WideTileMainloop : Base {
       }
       warpgroup_commit_batch();
       constexpr int kOffset = decltype(half)::value * decltype(size(part))::value;
-      if constexpr (kColumnScales) {
-        // temporary * row scale * column scale, in CUTLASS's order (so that
-        // results are the same bits as its 128x128 kernel).
-        Tensor column_scale = tCsSFB(_, _, _, make_coord(_0{}, stage));
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(part);
-        warpgroup_fence_operand(accum);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrSFA(i) * column_scale(i);
-        warpgroup_fence_operand(accum);
-      } else {
-        // The scale of each row times the half's B scale, as CUTLASS's
-        // 128x128 kernel forms it (so that results are the same bits).
+      // The promotion in CUTLASS's expressions, so that results are the same
+      // bits as its 128x128 kernels: wgrad, temporary * row scale * column
+      // scale; fprop/dgrad, temporary * (row scale * the half's B scale), the
+      // product formed while the wgmmas run.
+      if constexpr (!kColumnScales) {
         const ElementBlockScale scale_b = sfb[SmemLayoutSFB{}(decltype(half)::value * kHalfN, 0, stage)];
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
           filter_zeros(tCrScale)(i) = filter_zeros(tCrSFA)(i) * scale_b;
         }
-        warpgroup_wait<0>();
-        warpgroup_fence_operand(part);
-        warpgroup_fence_operand(accum);
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(part); ++i) accum(kOffset + i) += part(i) * tCrScale(i);
-        warpgroup_fence_operand(accum);
       }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(part);
+      warpgroup_fence_operand(accum);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(part); ++i) {
+        if constexpr (kColumnScales) {
+          accum(kOffset + i) += part(i) * tCrSFA(i) * tCsSFB(_, _, _, make_coord(_0{}, stage))(i);
+        } else {
+          accum(kOffset + i) += part(i) * tCrScale(i);
+        }
+      }
+      warpgroup_fence_operand(accum);
     };
 
     clear(accum);
