@@ -223,11 +223,10 @@ def test_wgrad_kernel_matches_reference(shape, pattern, fp8_dtype, out_dtype, ac
 @kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
-@pytest.mark.parametrize("schedule", ["cooperative", "pingpong", "narrow"])
+@pytest.mark.parametrize("schedule", ["cooperative", "narrow"])
 def test_wgrad_schedules_into_fp32_match_reference(shape, pattern, schedule, monkeypatch):
-    """E4M3 wgrad into fp32 has cooperative 128x256, ping-pong and 128x128 kernels (the heuristic
-    picks by tokens per expert and N); MOE_GROUPED_FP8_SCHEDULE forces each, and each must match the
-    reference."""
+    """E4M3 wgrad into fp32 has cooperative 128x256 and 128x128 kernels (the heuristic picks by N);
+    MOE_GROUPED_FP8_SCHEDULE forces each, and each must match the reference."""
     monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", schedule)
     e, m, n, k = shape
     splits = make_splits(pattern, e, m, seed=n + k + 1)
@@ -242,6 +241,28 @@ def test_wgrad_schedules_into_fp32_match_reference(shape, pattern, schedule, mon
                                accumulate=True)
     for g in range(e):
         assert_near(got[g].float(), want[g].double(), 2e-3, f"wgrad {schedule} {shape} {pattern}: group {g}")
+
+
+@pytest.mark.gpu
+@kernels
+@pytest.mark.parametrize("value", ["auto", "pingpong", "Narrow"])
+def test_schedule_env_takes_auto_or_a_built_schedule(value, monkeypatch):
+    """MOE_GROUPED_FP8_SCHEDULE forces measurements: a value naming no schedule (ping-pong is no longer
+    built) fails the call rather than quietly running the heuristic's kernel; auto is the heuristic."""
+    monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", value)
+    e, m, n, k = SHAPES[0]
+    splits = make_splits("balanced", e, m)
+    dyt = to(pack_columnwise(rand(m, n, seed=14), splits, torch.float8_e4m3fn), "cuda")
+    xt = to(pack_columnwise(rand(m, k, seed=15), splits, torch.float8_e4m3fn), "cuda")
+    out = torch.zeros(e, n, k, device="cuda")
+    call = lambda: fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits, device="cuda"), [out],  # noqa: E731
+                                              total_rows=m)
+    if value == "auto":
+        call()
+        assert torch.isfinite(out).all() and out.abs().sum() > 0
+    else:
+        with pytest.raises(ValueError, match=f"MOE_GROUPED_FP8_SCHEDULE={value}: expected auto, cooperative or"):
+            call()
 
 
 @pytest.mark.gpu

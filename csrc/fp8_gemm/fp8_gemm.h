@@ -37,9 +37,9 @@ struct Fp8GemmCall {
 };
 
 // kCooperative: two warpgroups on a 128x256 tile (WideTileMainloop);
-// kPingpong: a 64x128 tile per warpgroup (wgrad); kNarrow: two warpgroups on
-// a 128x128 tile, CUTLASS's mainloop (wgrad, where N suits 256 columns badly).
-enum class Fp8Schedule : int { kCooperative = 0, kPingpong = 1, kNarrow = 2 };
+// kNarrow: two warpgroups on a 128x128 tile, CUTLASS's mainloop (wgrad, where
+// N suits 256 columns badly).
+enum class Fp8Schedule : int { kCooperative = 0, kNarrow = 1 };
 
 // One compiled kernel: (kind, dtype of A, output dtype, schedule).
 struct Fp8KernelEntry {
@@ -59,7 +59,6 @@ Fp8KernelList sm90_fp8_fprop_kernels();
 Fp8KernelList sm90_fp8_dgrad_kernels();
 Fp8KernelList sm90_fp8_wgrad_e4m3_kernels();
 Fp8KernelList sm90_fp8_wgrad_e5m2_kernels();
-Fp8KernelList sm90_fp8_wgrad_pingpong_kernels();
 Fp8KernelList sm90_fp8_wgrad_narrow_kernels();
 
 }  // namespace moe_grouped::fp8_gemm

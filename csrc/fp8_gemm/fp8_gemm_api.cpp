@@ -24,50 +24,50 @@ using gemm::kind_name;
 const Fp8KernelList& all_kernels(int index) {
   static const Fp8KernelList lists[] = {sm90_fp8_fprop_kernels(), sm90_fp8_dgrad_kernels(),
                                         sm90_fp8_wgrad_e4m3_kernels(),
-                                        sm90_fp8_wgrad_e5m2_kernels(),
-                                        sm90_fp8_wgrad_pingpong_kernels(),
-                                        sm90_fp8_wgrad_narrow_kernels()};
+                                        sm90_fp8_wgrad_e5m2_kernels(), sm90_fp8_wgrad_narrow_kernels()};
   return lists[index];
 }
-constexpr int kKernelLists = 6;
+constexpr int kKernelLists = 5;
 
 // The schedules in the order the heuristic prefers them, fixed by shapes known
 // before capture; the first one built for the call's dtypes runs
 // (docs/kernels.md, "FP8 GEMMs"):
-//  - wgrad with at most 1024 tokens per expert on average (the GEMM's
-//    reduction length): ping-pong, whose overlapped epilogue wins on short
-//    reductions (built for E4M3 into fp32);
 //  - the cooperative 128x256 tile; but a wgrad whose N leaves more of the
 //    cluster's pair of 256-column tiles empty than of a pair of 128-column
 //    ones (round_up(N, 512) > round_up(N, 256), e.g. N = 768: three tiles in
 //    two pairs, a quarter of the CTAs idle) first tries the 128x128 tile
 //    (built for E4M3).
-constexpr int64_t kPingpongMaxTokensPerExpert = 1024;
-
-// MOE_GROUPED_FP8_SCHEDULE=cooperative|pingpong|narrow puts that schedule
-// first where a kernel of it is built (tests and measurements).
+// MOE_GROUPED_FP8_SCHEDULE=cooperative|narrow puts that schedule first where
+// a kernel of it is built (tests and measurements; auto or unset: none); any
+// other value fails the call, so that a forced measurement is never silently
+// the heuristic's.
 constexpr const char* kScheduleEnv = "MOE_GROUPED_FP8_SCHEDULE";
 
 struct SchedulePreference {
-  Fp8Schedule order[4];
+  Fp8Schedule order[3];
   int count = 0;
   void add(Fp8Schedule s) { order[count++] = s; }
 };
 
-SchedulePreference preferred_schedules(mg_gemm_kind kind, int64_t total_rows, int num_groups, int64_t n) {
+mg_status preferred_schedules(mg_gemm_kind kind, int64_t n, SchedulePreference* out) {
   SchedulePreference p;
-  if (const char* value = std::getenv(kScheduleEnv); value != nullptr) {
-    if (std::strcmp(value, "pingpong") == 0) p.add(Fp8Schedule::kPingpong);
-    if (std::strcmp(value, "cooperative") == 0) p.add(Fp8Schedule::kCooperative);
-    if (std::strcmp(value, "narrow") == 0) p.add(Fp8Schedule::kNarrow);
+  const char* value = std::getenv(kScheduleEnv);
+  if (value != nullptr && value[0] != '\0' && std::strcmp(value, "auto") != 0) {
+    if (std::strcmp(value, "cooperative") == 0) {
+      p.add(Fp8Schedule::kCooperative);
+    } else if (std::strcmp(value, "narrow") == 0) {
+      p.add(Fp8Schedule::kNarrow);
+    } else {
+      return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, cooperative or narrow", kScheduleEnv, value);
+    }
   }
   if (kind == MG_GEMM_WGRAD) {
-    if (total_rows <= kPingpongMaxTokensPerExpert * static_cast<int64_t>(num_groups)) p.add(Fp8Schedule::kPingpong);
     const bool half_empty_pairs = (n + 511) / 512 * 512 > (n + 255) / 256 * 256;
     if (half_empty_pairs) p.add(Fp8Schedule::kNarrow);
   }
   p.add(Fp8Schedule::kCooperative);
-  return p;
+  *out = p;
+  return MG_OK;
 }
 
 template <class Visit>
@@ -146,8 +146,9 @@ mg_status run_gemm(const mg_grouped_problem* p, Fp8GemmCall call, mg_dtype out_d
   MG_RETURN_IF_ERROR(gemm::sm_count(p->device, &sms));
   // The GEMM's N: the output columns (fprop n, dgrad k, wgrad k: dW is [n, k]).
   const int64_t gemm_n = call.kind == MG_GEMM_FPROP ? p->n : p->k;
-  const Fp8KernelEntry* entry = find_kernel(
-      call.kind, call.a.dtype, out_dtype, preferred_schedules(call.kind, p->total_rows, p->num_groups, gemm_n));
+  SchedulePreference preferred;
+  MG_RETURN_IF_ERROR(preferred_schedules(call.kind, gemm_n, &preferred));
+  const Fp8KernelEntry* entry = find_kernel(call.kind, call.a.dtype, out_dtype, preferred);
   if (entry == nullptr) {
     return fail(MG_ERROR_UNSUPPORTED, "no FP8 grouped %s kernel is built for %s x float8_e4m3fn -> %s",
                 kind_name(call.kind), dtype_name(call.a.dtype), dtype_name(out_dtype));

@@ -59,8 +59,7 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 };
 
 // Cooperative and narrow: two consumer warpgroups share one tile (128x256 and
-// 128x128: see kWideTile below). Ping-pong: each warpgroup owns a 64x128 tile
-// and its epilogue overlaps the other's mainloop.
+// 128x128: see kWideTile below).
 //
 // CUTLASS's mainloop waits for each K block's wgmmas before promoting them
 // with the scales. For wgrad that promotion costs real time, but the five
@@ -77,12 +76,6 @@ struct ScheduleTraits<Fp8Schedule::kCooperative> {
 };
 template <>
 struct ScheduleTraits<Fp8Schedule::kNarrow> : ScheduleTraits<Fp8Schedule::kCooperative> {};
-template <>
-struct ScheduleTraits<Fp8Schedule::kPingpong> {
-  using Tile = cute::Shape<cute::_64, _128, _128>;
-  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
 
 // ---- the kernel type ---------------------------------------------------
 
@@ -109,8 +102,7 @@ struct Fp8GroupedGemm {
   static constexpr bool kSwigluBackward = false;  // no SwiGLU-backward epilogue (finish_launch)
   // Cooperative: 128x256 tiles through WideTileMainloop, at least as fast as
   // the 128x128 CUTLASS mainloop where N fills the pairs of 256-column tiles
-  // (fp8_gemm_api.cpp). Narrow and ping-pong (wgrad): CUTLASS's mainloop on
-  // the schedule's tile. docs/kernels.md, "FP8 GEMMs".
+  // (fp8_gemm_api.cpp). Narrow (wgrad): CUTLASS's mainloop on 128x128. docs/kernels.md, "FP8 GEMMs".
   static constexpr bool kWideTile = Schedule == Fp8Schedule::kCooperative;
   using Tile = std::conditional_t<kWideTile, cute::Shape<_128, cute::_256, _128>,
                                   typename ScheduleTraits<Schedule>::Tile>;
