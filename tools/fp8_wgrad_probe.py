@@ -4,7 +4,7 @@ Where the FP8 wgrad's time goes: the grouped FP8 wgrad against bf16 and dense FP
 
 For each case (an expert's dW of N x K, E experts) and each reduction length (tokens per expert) and split pattern
 (split_counts), graph replays timed in interleaved rounds (median, L2 flushed), in one process:
-  fp8                     the core's FP8 wgrad into bf16 (the fused layer's dW; cooperative, the one built)
+  fp8                     the core's FP8 wgrad into bf16 (the fused layer's dW; its heuristic's schedule)
   fp8_fp32                the core's FP8 wgrad into fp32 (main_grad; its heuristic's schedule)
   fp8_along_n             fp8 with the tiles walked along N (MOE_GROUPED_GEMM_RASTER=n; along M by default)
   bf16                    the core's bf16 wgrad
