@@ -6,6 +6,7 @@
 #   smoke      ep_suite with few replays on 2 GPUs, then on 4
 #   suite      ep_suite with 1000 replays on 2 GPUs, then on 4
 #   sanitize   a short ep 2 run of ep_suite under compute-sanitizer memcheck
+#   memcheck   tools/memcheck_layer.py (the one-GPU layer's steps) under compute-sanitizer memcheck
 #   bench      benchmarks/expert_parallel.py on 1, 2 and 4 GPUs (EP_SMS: --sms sweep)
 #   profile    tools/ep_profile.py on 2 GPUs and on 1 (EP_PROFILE_ARGS: its options)
 #   example    examples/train_moe.py --ep N --compare-eager --steps 200 (graphs vs eager; N = min(GPUs, 4))
@@ -72,6 +73,9 @@ for phase in "$@"; do
     sanitize)
       run sanitize $torchrun_n 2 --no-python compute-sanitizer --tool memcheck --error-exitcode 7 \
         python3 tests/multi_gpu/ep_suite.py --replays 4 --quick ;;
+    memcheck)
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck compute-sanitizer --tool memcheck --error-exitcode 7 \
+        python3 tools/memcheck_layer.py ;;
     bench)
       sms="${EP_SMS:+--sms $EP_SMS} ${EP_BENCH_ARGS:-}"
       for n in ${EP_BENCH_GPUS:-4 2 1}; do

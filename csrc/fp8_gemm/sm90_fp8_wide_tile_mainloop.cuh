@@ -12,11 +12,12 @@
 // FMA; wgrad: temporary times row scale times column scale, the column scales
 // read from shared memory as the FMAs need them): the same bits as CUTLASS's
 // 128x128 kernels.
-// Everything else (TMA producer, pipeline, scale staging, shared storage,
-// arguments) is the CUTLASS collective's: this type derives from it and hides
-// only mma(), which the kernels call on the collective they are given. Release
-// order is the base's: mma() releases all but the last stage, mma_tail() the
-// last.
+// It also hides load_auxiliary(), the scale producer, to predicate the B
+// scales of a tile's second 128 columns correctly (below). Everything else
+// (TMA producer, pipeline, shared storage, arguments) is the CUTLASS
+// collective's: this type derives from it, and the kernels call these
+// functions on the collective they are given. Release order is the base's:
+// mma() releases all but the last stage, mma_tail() the last.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -55,6 +56,64 @@ struct WideTileMainloop : Base {
                                  cute::GMMA::Major::K, cute::GMMA::Major::K>(),
       cute::Layout<cute::Shape<cute::_2, cute::_1, cute::_1>>{}));
   static_assert(cute::size(HalfMma{}) == cute::size(typename Base::TiledMma{}), "same warpgroups as the base");
+
+  // The scale producer warp: each K block's A and B scales of the tile into
+  // the stage's shared memory (cp.async), as CUTLASS's load_auxiliary, except
+  // for the bounds check. CUTLASS drops the stride-0 modes (the 128 rows or
+  // columns one block scale covers) from the scales but not from their
+  // coordinates, so it checks the wrong coordinate from the second scale of a
+  // thread on: with two B blocks per 256-column tile, a tile whose second 128
+  // columns lie past N read the next group's scales, and the last group's
+  // read past the end of the scale tensor (compute-sanitizer memcheck). Here
+  // the coordinates drop the same modes as the scales.
+  template <class TensorA, class TensorB, class TensorSFA, class TensorSFB, class KTileIterator,
+            class BlockCoord>
+  CUTLASS_DEVICE void load_auxiliary(Params const&, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+                                     cute::tuple<TensorA, TensorB, TensorSFA, TensorSFB> const& load_inputs,
+                                     BlockCoord const& blk_coord, KTileIterator k_tile_iter, int k_tile_count,
+                                     int lane, uint32_t, TensorStorage& shared_tensors) {
+    using namespace cute;
+    using X = Underscore;
+    const auto m_coord = get<0>(blk_coord), n_coord = get<1>(blk_coord), l_coord = get<3>(blk_coord);
+    // (scales, their coordinates, shared memory) of this thread, per K block;
+    // `step` picks the tile's M or N extent.
+    auto partition = [&](auto const& scales, auto* smem, auto smem_layout, auto step, int tile) {
+      Tensor coords = make_identity_tensor(shape(scales.layout()));
+      auto copy = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{})
+                      .get_slice(lane);
+      return make_tuple(
+          copy.partition_S(local_tile(scales, TileShape{}, make_coord(_, _, _), step)(_, _, tile, _, l_coord)),
+          copy.partition_S(local_tile(coords, TileShape{}, make_coord(_, _, _), step)(_, _, tile, _, l_coord)),
+          copy.partition_D(make_tensor(make_smem_ptr(smem), smem_layout)));  // (CPY,CPY_MN,CPY_K,k|PIPE)
+    };
+    auto a = partition(get<2>(load_inputs), shared_tensors.smem_SFA.data(), SmemLayoutSFA{},
+                       Step<_1, X, _1>{}, m_coord);
+    auto b = partition(get<3>(load_inputs), shared_tensors.smem_SFB.data(), SmemLayoutSFB{},
+                       Step<X, _1, _1>{}, n_coord);
+    auto copy_scales = [&](auto const& part, auto const& bounds, bool loads, int k_tile, int stage) {
+      Tensor g = get<0>(part)(_, _, _, k_tile);
+      Tensor c = get<1>(part)(_, _, _, k_tile);
+      Tensor scales = filter_zeros(g);
+      Tensor coords = make_tensor(c.data(), filter_zeros(c.layout(), g.stride()));
+      Tensor in_bounds = make_tensor<bool>(shape(scales));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(scales); ++i) in_bounds(i) = loads && elem_less(coords(i), bounds);
+      auto copy = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{});
+      copy_if(copy, in_bounds, scales, filter_zeros(get<2>(part)(_, _, _, stage)));
+    };
+    const auto bounds_a = shape(get<2>(load_inputs).layout());
+    const auto bounds_b = shape(get<3>(load_inputs).layout());
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count) {
+      pipeline.producer_acquire(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      copy_scales(a, bounds_a, lane < Base::ScaleMsPerTile, *k_tile_iter, stage);
+      copy_scales(b, bounds_b, lane < Base::ScaleNsPerTile, *k_tile_iter, stage);
+      pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
+      ++k_tile_iter;
+      ++smem_pipe_write;
+    }
+  }
 
   template <class FrgTensorC>
   CUTLASS_DEVICE void mma(MainloopPipeline pipeline, PipelineState smem_pipe_read, FrgTensorC& accum,
