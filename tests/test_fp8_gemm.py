@@ -50,6 +50,13 @@ def to(q: BlockQuantized, device) -> BlockQuantized:
     return BlockQuantized(q.data.to(device), q.scale_inv.to(device))
 
 
+def cuda_wgrad_operands(m: int, n: int, k: int, splits: list[int], seed: int):
+    """E4M3 column-wise dy^T [n, .] and x^T [k, .] of random [m, n] and [m, k], on the GPU."""
+    dyt = pack_columnwise(rand(m, n, seed=seed), splits, torch.float8_e4m3fn)
+    xt = pack_columnwise(rand(m, k, seed=seed + 1), splits, torch.float8_e4m3fn)
+    return to(dyt, "cuda"), to(xt, "cuda")
+
+
 def oracle_rowwise(a: torch.Tensor, b_e: list[torch.Tensor], splits) -> torch.Tensor:
     """float64 ``a[rows of e] @ b_e[e]^T`` (b_e [N, K] per group)."""
     a = a.double()
@@ -168,6 +175,25 @@ def test_dgrad_kernel_matches_reference(shape, pattern, fp8_dtype):
 
 @pytest.mark.gpu
 @kernels
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
+def test_dgrad_tiles_give_the_same_bits(shape, pattern, monkeypatch):
+    """The E4M3 dgrad has 128x256 and 128x128 kernels (the heuristic picks by N = k, e.g. 128x128 at
+    k = 144); each 64x128 half of the wide tile is promoted as the 128x128 kernel promotes its tile."""
+    e, m, n, k = shape
+    splits = make_splits(pattern, e, m, seed=m + k + 2)
+    dyq = to(quantize_1x128(rand(m, n, seed=16), torch.float8_e4m3fn, True), "cuda")
+    wtq = to(quantize_weights(rand(e, n, k, seed=17) * 0.05, True), "cuda")
+    m_splits = torch.tensor(splits, device="cuda")
+    out = {}
+    for schedule in ("cooperative", "narrow"):
+        monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", schedule)
+        out[schedule] = fp8_gemm.grouped_dgrad_fp8(dyq, wtq, m_splits)
+    assert torch.equal(out["cooperative"], out["narrow"]), f"{shape} {pattern}"
+
+
+@pytest.mark.gpu
+@kernels
 def test_wgrad_zero_fills_empty_groups_past_the_setup_kernels_first_chunk():
     """As the 16-bit wgrad's test: 1100 groups, tokens for four on both sides of the setup kernel's first
     1024-group chunk; the other groups' dW (NaN before) must come back zero."""
@@ -252,8 +278,7 @@ def test_schedule_env_takes_auto_or_a_built_schedule(value, monkeypatch):
     monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", value)
     e, m, n, k = SHAPES[0]
     splits = make_splits("balanced", e, m)
-    dyt = to(pack_columnwise(rand(m, n, seed=14), splits, torch.float8_e4m3fn), "cuda")
-    xt = to(pack_columnwise(rand(m, k, seed=15), splits, torch.float8_e4m3fn), "cuda")
+    dyt, xt = cuda_wgrad_operands(m, n, k, splits, seed=14)
     out = torch.zeros(e, n, k, device="cuda")
     call = lambda: fp8_gemm.grouped_wgrad_fp8(dyt, xt, torch.tensor(splits, device="cuda"), [out],  # noqa: E731
                                               total_rows=m)
@@ -273,8 +298,7 @@ def test_wgrad_tiles_give_the_same_bits(shape, out_dtype, monkeypatch):
     """The 128x256 wgrad tile promotes each 64x128 half as the 128x128 kernel promotes its tile."""
     e, m, n, k = shape
     splits = make_splits("skewed", e, m, seed=n + k)
-    dyt = to(pack_columnwise(rand(m, n, seed=12), splits, torch.float8_e4m3fn), "cuda")
-    xt = to(pack_columnwise(rand(m, k, seed=13), splits, torch.float8_e4m3fn), "cuda")
+    dyt, xt = cuda_wgrad_operands(m, n, k, splits, seed=12)
     out = {}
     for schedule in ("cooperative", "narrow"):
         monkeypatch.setenv("MOE_GROUPED_FP8_SCHEDULE", schedule)
@@ -290,8 +314,7 @@ def test_wgrad_tile_order_gives_the_same_bits(raster, monkeypatch):
     """MOE_GROUPED_GEMM_RASTER forces the FP8 kernels' tile order too; only the order changes."""
     e, m, n, k = 8, 1000, 272, 400
     splits = make_splits("skewed", e, m, seed=3)
-    dyt = to(pack_columnwise(rand(m, n, seed=14), splits, torch.float8_e4m3fn), "cuda")
-    xt = to(pack_columnwise(rand(m, k, seed=15), splits, torch.float8_e4m3fn), "cuda")
+    dyt, xt = cuda_wgrad_operands(m, n, k, splits, seed=14)
     out = {}
     for order in ("auto", raster):
         monkeypatch.setenv("MOE_GROUPED_GEMM_RASTER", order)

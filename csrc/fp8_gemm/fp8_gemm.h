@@ -37,8 +37,8 @@ struct Fp8GemmCall {
 };
 
 // kCooperative: two warpgroups on a 128x256 tile (WideTileMainloop);
-// kNarrow: two warpgroups on a 128x128 tile, CUTLASS's mainloop (wgrad, where
-// N suits 256 columns badly).
+// kNarrow: two warpgroups on a 128x128 tile, CUTLASS's mainloop (wgrad and
+// dgrad, where N suits 256 columns badly).
 enum class Fp8Schedule : int { kCooperative = 0, kNarrow = 1 };
 
 // One compiled kernel: (kind, dtype of A, output dtype, schedule).
@@ -59,6 +59,6 @@ Fp8KernelList sm90_fp8_fprop_kernels();
 Fp8KernelList sm90_fp8_dgrad_kernels();
 Fp8KernelList sm90_fp8_wgrad_e4m3_kernels();
 Fp8KernelList sm90_fp8_wgrad_e5m2_kernels();
-Fp8KernelList sm90_fp8_wgrad_narrow_kernels();
+Fp8KernelList sm90_fp8_narrow_kernels();
 
 }  // namespace moe_grouped::fp8_gemm

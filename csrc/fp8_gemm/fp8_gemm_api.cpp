@@ -5,8 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "core/error.h"
 #include "core/workspace.h"
@@ -24,7 +22,7 @@ using gemm::kind_name;
 const Fp8KernelList& all_kernels(int index) {
   static const Fp8KernelList lists[] = {sm90_fp8_fprop_kernels(), sm90_fp8_dgrad_kernels(),
                                         sm90_fp8_wgrad_e4m3_kernels(),
-                                        sm90_fp8_wgrad_e5m2_kernels(), sm90_fp8_wgrad_narrow_kernels()};
+                                        sm90_fp8_wgrad_e5m2_kernels(), sm90_fp8_narrow_kernels()};
   return lists[index];
 }
 constexpr int kKernelLists = 5;
@@ -32,11 +30,11 @@ constexpr int kKernelLists = 5;
 // The schedules in the order the heuristic prefers them, fixed by shapes known
 // before capture; the first one built for the call's dtypes runs
 // (docs/kernels.md, "FP8 GEMMs"):
-//  - the cooperative 128x256 tile; but a wgrad whose N leaves more of the
-//    cluster's pair of 256-column tiles empty than of a pair of 128-column
-//    ones (round_up(N, 512) > round_up(N, 256), e.g. N = 768: three tiles in
-//    two pairs, a quarter of the CTAs idle) first tries the 128x128 tile
-//    (built for E4M3).
+//  - the cooperative 128x256 tile; but where N leaves more of the cluster's
+//    pairs of 256-column tiles empty than of 128-column ones
+//    (round_up(N, 512) > round_up(N, 256), e.g. N = 768: three tiles in two
+//    pairs, a quarter of the CTAs idle) the 128x128 tile comes first (built
+//    for E4M3 wgrad and dgrad; fprop has none, and runs the 128x256 tile).
 // MOE_GROUPED_FP8_SCHEDULE=cooperative|narrow puts that schedule first where
 // a kernel of it is built (tests and measurements; auto or unset: none); any
 // other value fails the call, so that a forced measurement is never silently
@@ -49,22 +47,14 @@ struct SchedulePreference {
   void add(Fp8Schedule s) { order[count++] = s; }
 };
 
-mg_status preferred_schedules(mg_gemm_kind kind, int64_t n, SchedulePreference* out) {
+mg_status preferred_schedules(int64_t n, SchedulePreference* out) {
   SchedulePreference p;
-  const char* value = std::getenv(kScheduleEnv);
-  if (value != nullptr && value[0] != '\0' && std::strcmp(value, "auto") != 0) {
-    if (std::strcmp(value, "cooperative") == 0) {
-      p.add(Fp8Schedule::kCooperative);
-    } else if (std::strcmp(value, "narrow") == 0) {
-      p.add(Fp8Schedule::kNarrow);
-    } else {
-      return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, cooperative or narrow", kScheduleEnv, value);
-    }
-  }
-  if (kind == MG_GEMM_WGRAD) {
-    const bool half_empty_pairs = (n + 511) / 512 * 512 > (n + 255) / 256 * 256;
-    if (half_empty_pairs) p.add(Fp8Schedule::kNarrow);
-  }
+  int forced = 0;
+  MG_RETURN_IF_ERROR(gemm::env_choice(kScheduleEnv, {"auto", "cooperative", "narrow"}, &forced));
+  if (forced == 1) p.add(Fp8Schedule::kCooperative);
+  if (forced == 2) p.add(Fp8Schedule::kNarrow);
+  const bool half_empty_pairs = (n + 511) / 512 * 512 > (n + 255) / 256 * 256;
+  if (half_empty_pairs) p.add(Fp8Schedule::kNarrow);
   p.add(Fp8Schedule::kCooperative);
   *out = p;
   return MG_OK;
@@ -147,7 +137,7 @@ mg_status run_gemm(const mg_grouped_problem* p, Fp8GemmCall call, mg_dtype out_d
   // The GEMM's N: the output columns (fprop n, dgrad k, wgrad k: dW is [n, k]).
   const int64_t gemm_n = call.kind == MG_GEMM_FPROP ? p->n : p->k;
   SchedulePreference preferred;
-  MG_RETURN_IF_ERROR(preferred_schedules(call.kind, gemm_n, &preferred));
+  MG_RETURN_IF_ERROR(preferred_schedules(gemm_n, &preferred));
   const Fp8KernelEntry* entry = find_kernel(call.kind, call.a.dtype, out_dtype, preferred);
   if (entry == nullptr) {
     return fail(MG_ERROR_UNSUPPORTED, "no FP8 grouped %s kernel is built for %s x float8_e4m3fn -> %s",

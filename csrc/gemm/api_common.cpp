@@ -143,18 +143,34 @@ mg_status check_out_dtype(const char* op, const char* name, mg_dtype dtype, mg_d
   return MG_OK;
 }
 
+mg_status env_choice(const char* name, std::initializer_list<const char*> choices, int* index) {
+  *index = 0;
+  const char* value = std::getenv(name);
+  if (value == nullptr || value[0] == '\0') return MG_OK;
+  int i = 0;
+  for (const char* choice : choices) {
+    if (std::strcmp(value, choice) == 0) {
+      *index = i;
+      return MG_OK;
+    }
+    ++i;
+  }
+  char expected[256] = "";
+  i = 0;
+  for (const char* choice : choices) {
+    const char* separator = i == 0 ? "" : i + 1 == static_cast<int>(choices.size()) ? " or " : ", ";
+    std::strncat(expected, separator, sizeof(expected) - std::strlen(expected) - 1);
+    std::strncat(expected, choice, sizeof(expected) - std::strlen(expected) - 1);
+    ++i;
+  }
+  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected %s", name, value, expected);
+}
+
 mg_status forced_tile_order(bool heuristic, bool* along_n) {
-  constexpr const char* kRasterEnv = "MOE_GROUPED_GEMM_RASTER";
-  const char* value = std::getenv(kRasterEnv);
-  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "auto") == 0) {
-    *along_n = heuristic;
-    return MG_OK;
-  }
-  if (std::strcmp(value, "m") == 0 || std::strcmp(value, "n") == 0) {
-    *along_n = value[0] == 'n';
-    return MG_OK;
-  }
-  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, m or n", kRasterEnv, value);
+  int choice = 0;
+  MG_RETURN_IF_ERROR(env_choice("MOE_GROUPED_GEMM_RASTER", {"auto", "m", "n"}, &choice));
+  *along_n = choice == 0 ? heuristic : choice == 2;
+  return MG_OK;
 }
 
 }  // namespace moe_grouped::gemm

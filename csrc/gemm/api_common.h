@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <initializer_list>
 
 #include "core/device_guard.h"
 #include "core/error.h"
@@ -19,6 +20,13 @@ const char* kind_name(mg_gemm_kind kind);
 mg_status check_kind(const char* op, mg_gemm_kind kind);
 // Multiprocessor count, queried once per device: the persistent grid size.
 mg_status sm_count(int device, int* out);
+
+// The choice an environment switch names, for switches that force a kernel
+// or an order (measurement and tests): *index = the position of NAME's value
+// in `choices`, 0 (the first choice: the default, e.g. "auto") where NAME is
+// unset or empty. Any other value fails with "NAME=value: expected a, b or c",
+// so that a forced measurement never silently runs the default.
+mg_status env_choice(const char* name, std::initializer_list<const char*> choices, int* index);
 
 // The tile order: `heuristic` (true: along N), unless MOE_GROUPED_GEMM_RASTER
 // ("m" or "n"; "auto" or unset: the heuristic) forces one (measurement and

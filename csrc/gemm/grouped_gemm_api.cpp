@@ -37,14 +37,10 @@ mg_status tile_order(const GemmShape& shape, bool* along_n) {
 }
 
 mg_status in_kernel_store_maps(bool* out) {
-  *out = false;
-  const char* value = std::getenv(kStoreMapsEnv);
-  if (value == nullptr || value[0] == '\0' || std::strcmp(value, "prebuilt") == 0) return MG_OK;
-  if (std::strcmp(value, "in_kernel") == 0) {
-    *out = true;
-    return MG_OK;
-  }
-  return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected prebuilt or in_kernel", kStoreMapsEnv, value);
+  int choice = 0;
+  MG_RETURN_IF_ERROR(env_choice(kStoreMapsEnv, {"prebuilt", "in_kernel"}, &choice));
+  *out = choice == 1;
+  return MG_OK;
 }
 
 const KernelList& all_kernels(int index) {
@@ -161,13 +157,9 @@ mg_status pingpong_chosen(const GroupedGemmCall& call, mg_dtype dtype, mg_dtype 
   const char* tile = std::getenv(kTileEnv);
   *chosen = (tile == nullptr || tile[0] == '\0') &&
             prefer_pingpong_fprop(shape, call.gather_a.index != nullptr, call.swiglu_h != nullptr);
-  if (const char* value = std::getenv(kFpropEnv); value != nullptr && value[0] != '\0' &&
-                                                   std::strcmp(value, "auto") != 0) {
-    if (std::strcmp(value, "pingpong") != 0 && std::strcmp(value, "cutlass") != 0) {
-      return fail(MG_ERROR_INVALID_ARGUMENT, "%s=%s: expected auto, pingpong or cutlass", kFpropEnv, value);
-    }
-    *chosen = value[0] == 'p';
-  }
+  int forced = 0;
+  MG_RETURN_IF_ERROR(env_choice(kFpropEnv, {"auto", "pingpong", "cutlass"}, &forced));
+  if (forced != 0) *chosen = forced == 1;
   return MG_OK;
 }
 
