@@ -1,5 +1,5 @@
 """Usage: PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 7 \
-    python tools/memcheck_layer.py [--steps 2]
+    python tools/memcheck_layer.py [--steps 2] [--shapes 0,1]
 
 Training steps of the MoE layer on small shapes, for compute-sanitizer: the fused experts path in bf16 and in
 FP8 (weights quantized in the step and kept across steps), and the unfused path; with router-chosen routing,
@@ -43,11 +43,13 @@ def step(layer: MoELayer, x: torch.Tensor, fp8_step: bool, first: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--shapes", default=",".join(str(i) for i in range(len(SHAPES))),
+                        help="indices into SHAPES (the slower tools, racecheck, want fewer)")
     args = parser.parse_args()
     if os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") != "1":
         print("note: PYTORCH_NO_CUDA_MEMORY_CACHING is not 1: memcheck sees only accesses past cached segments")
     cases = 0
-    for tokens, hidden, ffn, experts, top_k in SHAPES:
+    for tokens, hidden, ffn, experts, top_k in (SHAPES[int(i)] for i in args.shapes.split(",")):
         for capacity, options in CAPACITY.items():
             for path, fp8_step in (("fused", False), ("fused", True), ("unfused", False)):
                 for routing in ("router", "first_experts"):
