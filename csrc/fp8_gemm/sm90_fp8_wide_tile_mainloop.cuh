@@ -108,7 +108,10 @@ struct WideTileMainloop : Base {
       pipeline.producer_acquire(smem_pipe_write);
       const int stage = smem_pipe_write.index();
       copy_scales(a, bounds_a, lane < Base::ScaleMsPerTile, *k_tile_iter, stage);
-      copy_scales(b, bounds_b, lane < Base::ScaleNsPerTile, *k_tile_iter, stage);
+      // Per-column B scales are spread over the lanes; each lane's share of
+      // block scales holds both of the tile's, so one lane copies them (CUTLASS
+      // has two lanes store the same two values, which racecheck reports).
+      copy_scales(b, bounds_b, lane < (kColumnScales ? Base::ScaleNsPerTile : 1), *k_tile_iter, stage);
       pipeline.producer_commit(smem_pipe_write, cutlass::arch::cpasync_barrier_arrive_noinc);
       ++k_tile_iter;
       ++smem_pipe_write;
