@@ -59,13 +59,14 @@ struct WideTileMainloop : Base {
 
   // The scale producer warp: each K block's A and B scales of the tile into
   // the stage's shared memory (cp.async), as CUTLASS's load_auxiliary, except
-  // for the bounds check. CUTLASS drops the stride-0 modes (the 128 rows or
-  // columns one block scale covers) from the scales but not from their
-  // coordinates, so it checks the wrong coordinate from the second scale of a
-  // thread on: with two B blocks per 256-column tile, a tile whose second 128
-  // columns lie past N read the next group's scales, and the last group's
-  // read past the end of the scale tensor (compute-sanitizer memcheck). Here
-  // the coordinates drop the same modes as the scales.
+  // for the bounds check and the lanes that store B block scales (below).
+  // CUTLASS drops the stride-0 modes (the 128 rows or columns one block scale
+  // covers) from the scales but not from their coordinates, so it checks the
+  // wrong coordinate from the second scale of a thread on: with two B blocks
+  // per 256-column tile, a tile whose second 128 columns lie past N read the
+  // next group's scales, and the last group's read past the end of the scale
+  // tensor (compute-sanitizer memcheck). Here the coordinates drop the same
+  // modes as the scales.
   template <class TensorA, class TensorB, class TensorSFA, class TensorSFB, class KTileIterator,
             class BlockCoord>
   CUTLASS_DEVICE void load_auxiliary(Params const&, MainloopPipeline pipeline, PipelineState smem_pipe_write,
