@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
+import sys
 
 import torch
 
 from moe_grouped import MoELayer, fp8
 
-CAPACITY = {
-    "dropless": {},
-    "probs-packed": dict(capacity_factor=0.75, drop_policy="probs"),
-    "position-padded": dict(capacity_factor=1.0, drop_policy="position", pad_to_capacity=True),
-    "zero-capacity": dict(capacity_factor=0.0),
-}
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from cases import CAPACITY_OPTIONS  # noqa: E402  (the tests' capacity options: dropping, padding, zero)
 # (tokens, hidden, ffn, experts, top_k): N and K off multiples of 128, and a group count past 64.
 SHAPES = [(1000, 384, 272, 8, 2), (777, 256, 128, 72, 4)]
 
@@ -50,7 +48,7 @@ def main() -> None:
         print("note: PYTORCH_NO_CUDA_MEMORY_CACHING is not 1: memcheck sees only accesses past cached segments")
     cases = 0
     for tokens, hidden, ffn, experts, top_k in (SHAPES[int(i)] for i in args.shapes.split(",")):
-        for capacity, options in CAPACITY.items():
+        for capacity, options in CAPACITY_OPTIONS.items():
             for path, fp8_step in (("fused", False), ("fused", True), ("unfused", False)):
                 for routing in ("router", "first_experts"):
                     torch.manual_seed(0)
