@@ -102,7 +102,7 @@ struct Fp8GroupedGemm {
   static constexpr bool kSwigluBackward = false;  // no SwiGLU-backward epilogue (finish_launch)
   // Cooperative: 128x256 tiles through WideTileMainloop, at least as fast as
   // the 128x128 CUTLASS mainloop where N fills the pairs of 256-column tiles
-  // (fp8_gemm_api.cpp). Narrow (wgrad): CUTLASS's mainloop on 128x128. docs/kernels.md, "FP8 GEMMs".
+  // (fp8_gemm_api.cpp). Narrow (wgrad, dgrad): CUTLASS's mainloop on 128x128. docs/kernels.md, "FP8 GEMMs".
   static constexpr bool kWideTile = Schedule == Fp8Schedule::kCooperative;
   using Tile = std::conditional_t<kWideTile, cute::Shape<_128, cute::_256, _128>,
                                   typename ScheduleTraits<Schedule>::Tile>;

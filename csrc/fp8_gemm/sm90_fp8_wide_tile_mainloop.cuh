@@ -76,12 +76,13 @@ struct WideTileMainloop : Base {
     using namespace cute;
     using X = Underscore;
     const auto m_coord = get<0>(blk_coord), n_coord = get<1>(blk_coord), l_coord = get<3>(blk_coord);
+    // The warp's 32 lanes along the tile's M or N extent, one scale per copy.
+    const auto scale_copy = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{});
     // (scales, their coordinates, shared memory) of this thread, per K block;
     // `step` picks the tile's M or N extent.
     auto partition = [&](auto const& scales, auto* smem, auto smem_layout, auto step, int tile) {
       Tensor coords = make_identity_tensor(shape(scales.layout()));
-      auto copy = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{})
-                      .get_slice(lane);
+      auto copy = scale_copy.get_slice(lane);
       return make_tuple(
           copy.partition_S(local_tile(scales, TileShape{}, make_coord(_, _, _), step)(_, _, tile, _, l_coord)),
           copy.partition_S(local_tile(coords, TileShape{}, make_coord(_, _, _), step)(_, _, tile, _, l_coord)),
@@ -99,8 +100,7 @@ struct WideTileMainloop : Base {
       Tensor in_bounds = make_tensor<bool>(shape(scales));
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(scales); ++i) in_bounds(i) = loads && elem_less(coords(i), bounds);
-      auto copy = make_tiled_copy(typename Base::CopyAtomSFA{}, Layout<Shape<_32>>{}, Layout<Shape<_1>>{});
-      copy_if(copy, in_bounds, scales, filter_zeros(get<2>(part)(_, _, _, stage)));
+      copy_if(scale_copy, in_bounds, scales, filter_zeros(get<2>(part)(_, _, _, stage)));
     };
     const auto bounds_a = shape(get<2>(load_inputs).layout());
     const auto bounds_b = shape(get<3>(load_inputs).layout());
