@@ -92,7 +92,14 @@ def graphed(fn, *, warmup: int = 3):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+
+    def replay() -> None:
+        graph.replay()
+
+    # The graph reads fn's tensors at every replay, and fn is often their only owner (a lambda over
+    # operands made for it), so the replay keeps fn alive.
+    replay.keeps = fn
+    return replay
 
 
 def forced(env: dict, fn):

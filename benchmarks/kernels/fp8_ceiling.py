@@ -6,9 +6,9 @@ timed in interleaved rounds (median, 256 MB L2 flush before each), in one proces
   cuda        the core's bf16 grouped GEMM
   cuda_fp8    the core's FP8 block-scaled grouped GEMM (1x128 activations and gradients, 128x128 weights;
               operands quantized beforehand, E4M3, power-of-two scales)
-  dense       one bf16 matmul of the same FLOPs ([R, K] x [K, N]), run eagerly
+  dense       one bf16 matmul of the same FLOPs ([R, K] x [K, N])
   dense_fp8   one FP8 matmul of the same FLOPs (torch._scaled_mm, E4M3, one scale per tensor: the
-              tensor cores' FP8 rate without block scaling or groups), run eagerly
+              tensor cores' FP8 rate without block scaling or groups)
 Then op ``fwd_bwd``: the fused MoELayer step as benchmarks/moe_layer.py runs it, bf16 and inside
 fp8_autocast (``cuda_fused_graphed``, ``cuda_fp8_fused_graphed``), and the derived row
 ``fp8_dense_gemms`` (``"derived": true``): the FP8 step with each of its GEMMs' time replaced by the
@@ -78,10 +78,8 @@ def gemm_rows(name: str, rounds: int, flush: L2Flush) -> list[dict]:
     q = Fp8Operands(ex)
     rows = []
     for op in OPS:
-        # The dense stand-ins, one cuBLAS kernel each, run eagerly (CUDA events time the GPU alone): their graphs,
-        # captured beside the others, faulted at replay (docs/experts-path.md, the FP8 ceiling of 2026-11-29).
         runs = {"cuda": graphed(ex.core(op)), "cuda_fp8": graphed(q.run(op)),
-                "dense": ex.reference(op, "dense"), "dense_fp8": dense_fp8(ex, op)}
+                "dense": graphed(ex.reference(op, "dense")), "dense_fp8": graphed(dense_fp8(ex, op))}
         rows += round_rows(runs, rounds, flush, f"{name} {op}", ex.flops(op), BENCH, op, name, "topk_random")
     return rows
 
