@@ -134,9 +134,16 @@ struct Fp8GroupedGemm {
       ElementD, float, std::conditional_t<std::is_void_v<ElementC>, ElementD, ElementC>, float>;
   using Fusion = std::conditional_t<Kind == MG_GEMM_FPROP, BiasFusion, LinearFusion>;
 
+  // fprop and dgrad store their 128x256 tile as four 128x64 pieces through two
+  // buffers rather than CUTLASS's default eight 128x32 pieces, fewer of which
+  // wait for an earlier piece's store to drain: part of what every tile costs
+  // whatever its K, which counts most at a short K. wgrad keeps the default
+  // (its C buffers grow with the pieces; not measured). docs/kernels.md, "FP8 GEMMs".
+  using EpilogueTile = std::conditional_t<kWideTile && Kind != MG_GEMM_WGRAD, cute::Shape<_128, cute::_64>,
+                                          cutlass::epilogue::collective::EpilogueTileAuto>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, ElementAccumulator, float, ElementC,
+      EpilogueTile, ElementAccumulator, float, ElementC,
       LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD,
       typename ScheduleTraits<Schedule>::Epilogue, Fusion>::CollectiveOp;
 

@@ -139,7 +139,7 @@ struct WideTileMainloop : Base {
     constexpr int kWarpGroups = size(HalfMma{}) / cutlass::NumThreadsPerWarpGroup;
     const Layout warp_group_layout = make_layout(Int<kWarpGroups>{}, Int<cutlass::NumThreadsPerWarpGroup>{});
     const int warp_group = __shfl_sync(0xffffffff, thread_idx / cutlass::NumThreadsPerWarpGroup, 0);
-    const uint32_t barrier_id = cutlass::canonical_warp_group_idx();
+    [[maybe_unused]] const uint32_t barrier_id = cutlass::canonical_warp_group_idx();
 
     HalfMma half_mma;
     auto thread_mma = half_mma.get_slice(warp_group_layout(warp_group));
@@ -170,7 +170,8 @@ struct WideTileMainloop : Base {
     Tensor part = partition_fragment_C(half_mma, Shape<Int<kTileM>, Int<kHalfN>>{});
     static_assert(decltype(size(part))::value * 2 == decltype(size(accum))::value, "two halves make the tile");
 
-    auto half_step = [&](auto half, auto const& tCrB, auto const& tCsSFB, int stage) __attribute__((always_inline)) {
+    auto half_step = [&](auto half, auto const& tCrB, auto const& tCsSFB, ElementBlockScale scale_b,
+                         int stage) __attribute__((always_inline)) {
       half_mma.accumulate_ = GMMA::ScaleOut::Zero;
       warpgroup_fence_operand(part);
       warpgroup_arrive();
@@ -186,7 +187,6 @@ struct WideTileMainloop : Base {
       // scale; fprop/dgrad, temporary * (row scale * the half's B scale), the
       // product formed while the wgmmas run.
       if constexpr (!kColumnScales) {
-        const ElementBlockScale scale_b = sfb[SmemLayoutSFB{}(decltype(half)::value * kHalfN, 0, stage)];
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(filter_zeros(tCrSFA)); ++i) {
           filter_zeros(tCrScale)(i) = filter_zeros(tCrSFA)(i) * scale_b;
@@ -213,13 +213,25 @@ struct WideTileMainloop : Base {
       pipeline.consumer_wait(smem_pipe_read);
       const int stage = smem_pipe_read.index();
       ++smem_pipe_read;
+      // fprop/dgrad: every scale of the stage into registers before the first
+      // wgmma is issued, so that no warp reads the stage after its wgmmas.
       copy(tCsSFA(_, _, _, make_coord(_0{}, stage)), tCrSFA);
-      half_step(_0{}, tCrB0, get<0>(column_scales), stage);
-      half_step(_1{}, tCrB1, get<1>(column_scales), stage);
-      // All four warps are past this stage's reads before its release (only
-      // a few threads signal the producers); the last stage is mma_tail()'s.
-      if (k + 1 < k_tile_count) {
+      ElementBlockScale scale_b0 = 0, scale_b1 = 0;
+      if constexpr (!kColumnScales) {
+        scale_b0 = sfb[SmemLayoutSFB{}(0, 0, stage)];
+        scale_b1 = sfb[SmemLayoutSFB{}(Int<kHalfN>{}, 0, stage)];
+      }
+      half_step(_0{}, tCrB0, get<0>(column_scales), scale_b0, stage);
+      half_step(_1{}, tCrB1, get<1>(column_scales), scale_b1, stage);
+      // Only a few threads signal the producers. Each warp's reads of the
+      // stage are done once the warpgroup's second wgmmas finish (every warp
+      // issued them after its own reads), except wgrad's column scales, read as
+      // the FMAs use them: there all four warps must be past them before any
+      // release, mma_tail()'s of the last stage included.
+      if constexpr (kColumnScales) {
         cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, barrier_id);
+      }
+      if (k + 1 < k_tile_count) {
         pipeline.consumer_release(smem_pipe_release);
         ++smem_pipe_release;
       }
