@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import L2Flush, graphed, run_ms  # noqa: E402
+from common import L2Flush, graphed, timed_rounds  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 from moe_grouped.fp8 import gemm as fp8_gemm  # noqa: E402
@@ -28,14 +28,8 @@ from moe_grouped.fp8 import gemm as fp8_gemm  # noqa: E402
 E4M3 = torch.float8_e4m3fn
 
 
-def median_ms(runs: dict, rounds: int, flush: L2Flush, per_round: int = 10) -> dict:
-    for run in runs.values():
-        run()
-    times = {name: [] for name in runs}
-    for r in range(rounds):
-        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
-            times[name] += [run_ms(runs[name], flush) for _ in range(per_round)]
-    return {name: statistics.median(t) for name, t in times.items()}
+def median_ms(runs: dict, rounds: int, flush: L2Flush) -> dict:
+    return {name: statistics.median(t) for name, t in timed_rounds(runs, rounds, flush, per_round=10).items()}
 
 
 def main() -> None:
