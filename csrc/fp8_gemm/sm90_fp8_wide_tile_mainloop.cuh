@@ -223,11 +223,11 @@ struct WideTileMainloop : Base {
       }
       half_step(_0{}, tCrB0, get<0>(column_scales), scale_b0, stage);
       half_step(_1{}, tCrB1, get<1>(column_scales), scale_b1, stage);
-      // Only a few threads signal the producers. Each warp's reads of the
-      // stage are done once the warpgroup's second wgmmas finish (every warp
-      // issued them after its own reads), except wgrad's column scales, read as
-      // the FMAs use them: there all four warps must be past them before any
-      // release, mma_tail()'s of the last stage included.
+      // Only a few threads signal the producers. As in CUTLASS's mainloop,
+      // each warp reads the stage's scales before its wgmmas, and the
+      // warpgroup's second wgmmas finish only once all four warps issued them.
+      // wgrad reads its column scales later, as the FMAs use them, so there
+      // all four warps meet before any release, mma_tail()'s included.
       if constexpr (kColumnScales) {
         cutlass::arch::NamedBarrier::arrive_and_wait(cutlass::NumThreadsPerWarpGroup, barrier_id);
       }
