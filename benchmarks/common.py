@@ -102,6 +102,15 @@ def graphed(fn, *, warmup: int = 3):
     return replay
 
 
+def dense_fp8_matmul(rows: int, cols: int, depth: int):
+    """One ``torch._scaled_mm`` of random E4M3 [rows, depth] x [depth, cols] into bfloat16, one scale per
+    tensor: the tensor cores' FP8 rate for a GEMM of those FLOPs, without block scaling or groups."""
+    a = torch.randn(rows, depth, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(cols, depth, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes B
+    one = torch.ones((), device="cuda")
+    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
 def forced(env: dict, fn):
     """``fn`` run (and captured) with ``env`` set for the core; ``fn`` itself for an empty one (the core's choice)."""
     if not env:

@@ -20,7 +20,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import L2Flush, graphed, timed_rounds  # noqa: E402
+from common import L2Flush, dense_fp8_matmul, graphed, timed_rounds  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 from moe_grouped.fp8 import gemm as fp8_gemm  # noqa: E402
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
+    if len(set(ks)) < 2:
+        parser.error("--ks needs at least two reduction lengths: the fit is a line over K")
     experts = [int(e) for e in args.experts.split(",")]
     rows, n = args.rows, args.n
     flush = L2Flush()
@@ -56,10 +58,7 @@ def main() -> None:
             splits = torch.full((e,), rows // e, dtype=torch.int64, device="cuda")
             w = fp8.quantize_weights_128x128(torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16), E4M3).w
             runs[f"E{e}"] = graphed(lambda x=x, w=w, s=splits: fp8_gemm.grouped_fprop_fp8(x, w, s))
-        a = torch.randn(rows, k, device="cuda").to(E4M3)
-        b = torch.randn(n, k, device="cuda").to(E4M3).t()
-        one = torch.ones((), device="cuda")
-        runs["dense"] = lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        runs["dense"] = dense_fp8_matmul(rows, n, k)
         ms = median_ms(runs, args.rounds, flush)
         flops = 2.0 * rows * n * k
         line = "  ".join(f"{name} {t:.4f} ms {flops / t / 1e9:6.0f} TF/s" for name, t in ms.items())

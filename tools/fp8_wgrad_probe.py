@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from common import L2Flush, forced, graphed, timed_rounds  # noqa: E402
+from common import L2Flush, dense_fp8_matmul, forced, graphed, timed_rounds  # noqa: E402
 
 from moe_grouped import fp8  # noqa: E402
 from moe_grouped.fp8 import gemm as fp8_gemm  # noqa: E402
@@ -90,11 +90,7 @@ class Case:
         return lambda: cuda_backend.wgrad(self.dy, self.x, self.splits, [self.dw], False)
 
     def dense_fp8(self):
-        tokens = self.rows // self.e
-        a = torch.randn(self.e * self.n, tokens, device="cuda").to(E4M3)
-        b = torch.randn(self.k, tokens, device="cuda").to(E4M3).t()
-        one = torch.ones((), device="cuda")
-        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return dense_fp8_matmul(self.e * self.n, self.k, self.rows // self.e)
 
 
 def digest(t: torch.Tensor) -> str:

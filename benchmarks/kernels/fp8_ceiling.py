@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: common, moe_layer
-from common import L2Flush, cli, graphed, prologue, round_rows, write_results  # noqa: E402
+from common import L2Flush, cli, dense_fp8_matmul, graphed, prologue, round_rows, write_results  # noqa: E402
 from experts_gemm_tiles import OPS, Experts  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 import moe_layer  # noqa: E402
@@ -67,10 +67,7 @@ class Fp8Operands:
 
 def dense_fp8(ex: Experts, op: str):
     n, k = ex.nk[op]
-    a = torch.randn(ex.rows, k, device="cuda").to(E4M3)
-    b = torch.randn(n, k, device="cuda").to(E4M3).t()  # column-major, as _scaled_mm takes B
-    one = torch.ones((), device="cuda")
-    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return dense_fp8_matmul(ex.rows, n, k)
 
 
 def gemm_rows(name: str, rounds: int, flush: L2Flush) -> list[dict]:
