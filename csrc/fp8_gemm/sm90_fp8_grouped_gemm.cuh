@@ -62,10 +62,11 @@ struct ScaleTraits<MG_GEMM_WGRAD> {
 // 128x128: see kWideTile below).
 //
 // CUTLASS's mainloop waits for each K block's wgmmas before promoting them
-// with the scales. For wgrad that promotion costs real time, but the five
-// ways of hiding it behind tensor-core work that were measured gained nothing
-// (docs/kernels.md, "FP8 GEMMs"): shared-memory loads and FP32 work issued
-// while a warpgroup's wgmmas run slow those wgmmas about as much as they save.
+// with the scales. For wgrad that promotion costs real time, but none of the
+// ways of hiding it behind tensor-core work that were measured gained
+// (docs/kernels.md, "FP8 GEMMs"): its shared-memory loads and FP32 work slow
+// the wgmmas running beside them, the warpgroup's own or the other's, about
+// as much as they save.
 template <Fp8Schedule S>
 struct ScheduleTraits;
 template <>
