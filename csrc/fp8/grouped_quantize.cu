@@ -90,9 +90,9 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- grouped: column-wise, optionally row-wise and dbias, one read of x ----
 //
-// A CTA owns one tile of 128 tokens x 128 columns: one 1x128 column-wise
-// block (block j of group e, scale row b_e + j, which is simply the global
-// block index) and, across it, 128 row-wise blocks. Every row of x lies in
+// A tile is 128 tokens x 128 columns: one 1x128 column-wise block (block j
+// of group e, scale row b_e + j, which is simply the global block index)
+// and, across it, 128 row-wise blocks. Every row of x lies in
 // exactly one tile: tokens past the last group (only when m_splits sums to
 // less than rows) form row-wise-only tiles after the groups' blocks, which
 // the grid of ceil(rows / 128) + E block rows always has room for.
@@ -102,12 +102,21 @@ __global__ void __launch_bounds__(kThreads)
 // registers. The tile also goes to shared memory, where the column pass reads
 // it down the columns: a warp takes four columns, eight lanes per column,
 // each lane one 16-token segment, so a warp writes four 128-byte runs of qt.
-// The kernel is bound by its memory access pattern, not by instructions or
-// occupancy; one tile per CTA, loaded through registers, measured best
-// (docs/kernels.md, "FP8 quantize").
+//
+// With the row-wise copy a CTA owns one tile. Column-wise only, it owns
+// kColumnTilesPerCta consecutive column tiles of one block, so that the group
+// layout (scan_groups), which every CTA derives, is derived once per four
+// tiles: with one tile per CTA that scan was a large share of the issued
+// instructions, which bound the kernel on the H200. The row-wise variant,
+// with more registers, ran slower with four tiles per CTA.
+// Measured: docs/kernels.md, "FP8 quantize".
 
 constexpr int kTileRows = kBlock;  // tokens per tile: one column-wise block
 constexpr int kTileCols = kBlock;  // columns per tile: one row-wise block
+constexpr int kColumnTilesPerCta = 4;
+
+// Consecutive column tiles of one block that a CTA quantizes.
+constexpr int tiles_per_cta(bool rowwise) { return rowwise ? 1 : kColumnTilesPerCta; }
 
 // Byte offset of element (r, c) in the shared tile. Rows are 128 * sizeof(T)
 // bytes of 16-byte chunks; a row's chunks are XOR-swizzled by its 16-row
@@ -226,17 +235,18 @@ __device__ inline TileRows locate_tile(int64_t block, Splits splits, int num_gro
   return span;
 }
 
-// Tile t of a [block_rows x col_tiles] grid, walked in bands of `band`
-// column tiles, block-major inside a band: the tiles in flight together then
-// read a few KB of each row of x and write a few KB of each row of qt, where
-// a walk over all the columns would write only 128 bytes of each qt row.
-__device__ inline void tile_coords(int64_t t, int64_t block_rows, int64_t col_tiles, int64_t band, int64_t* block,
-                                   int64_t* col_tile) {
+// Unit t of a [block_rows x col_units] grid (a unit: a CTA's column tiles),
+// walked in bands of `band` units, block-major inside a band: the units in
+// flight together then read a few KB of each row of x and write a few KB of
+// each row of qt, where a walk over all the columns would write only 128
+// bytes of each qt row.
+__device__ inline void tile_coords(int64_t t, int64_t block_rows, int64_t col_units, int64_t band, int64_t* block,
+                                   int64_t* col_unit) {
   const int64_t first_col = t / (band * block_rows) * band;
-  const int64_t width = col_tiles - first_col < band ? col_tiles - first_col : band;
+  const int64_t width = col_units - first_col < band ? col_units - first_col : band;
   const int64_t index = t - first_col * block_rows;
   *block = index / width;
-  *col_tile = first_col + index % width;
+  *col_unit = first_col + index % width;
 }
 
 struct GroupedArgs {
@@ -245,7 +255,7 @@ struct GroupedArgs {
   int num_groups;
   int64_t col_tiles;    // ceil(cols / 128): also row-wise scales per row
   int64_t padded_rows;  // leading dimension of qt
-  int64_t band;         // column tiles per band of the tile walk (tile_coords)
+  int64_t band;         // column units (tiles_per_cta tiles) per band of the tile walk (tile_coords)
   float fp8_max;
   bool pow2;
   float epsilon;
@@ -344,16 +354,12 @@ __device__ inline void column_pass(const unsigned char* tile, const GroupedArgs&
   }
 }
 
+// Column tile `col_tile` of the block `span` locates; all kThreads threads
+// call, the shared tile free.
 template <typename T, bool kE4M3, bool kRowwise, bool kDbias, bool kVector>
-__global__ void __launch_bounds__(kThreads)
-    grouped_1x128_kernel(const T* __restrict__ x, const GroupedArgs a) {
-  extern __shared__ __align__(16) unsigned char tile[];  // [128][128] T, swizzled
-
-  int64_t block, col_tile;
-  tile_coords(blockIdx.x, (a.rows + kBlock - 1) / kBlock + a.num_groups, a.col_tiles, a.band, &block, &col_tile);
+__device__ inline void quantize_tile(const T* __restrict__ x, const GroupedArgs& a, const TileRows& span,
+                                     int64_t block, int64_t col_tile, unsigned char* tile) {
   const int64_t col0 = col_tile * kTileCols;
-  const TileRows span = locate_tile(block, a.splits, a.num_groups, a.rows, blockIdx.x == 0 ? a.blocks : nullptr);
-  if ((span.group < 0 && !kRowwise) || span.valid_rows <= 0) return;
   const int group = span.group;
   const int64_t row0 = span.row0;
   const int valid_rows = span.valid_rows;
@@ -410,6 +416,31 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   column_pass<T, kE4M3, kDbias>(tile, a, span, block, col0, kVector);
+}
+
+// Four CTAs per SM for the column-wise-only kernel (64 registers, no spills).
+template <typename T, bool kE4M3, bool kRowwise, bool kDbias, bool kVector>
+__global__ void __launch_bounds__(kThreads, kRowwise ? 1 : 4)
+    grouped_1x128_kernel(const T* __restrict__ x, const GroupedArgs a) {
+  extern __shared__ __align__(16) unsigned char tile[];  // [128][128] T, swizzled
+
+  constexpr int kPerCta = tiles_per_cta(kRowwise);
+  int64_t block, col_unit;
+  tile_coords(blockIdx.x, (a.rows + kBlock - 1) / kBlock + a.num_groups, (a.col_tiles + kPerCta - 1) / kPerCta,
+              a.band, &block, &col_unit);
+  const TileRows span = locate_tile(block, a.splits, a.num_groups, a.rows, blockIdx.x == 0 ? a.blocks : nullptr);
+  if ((span.group < 0 && !kRowwise) || span.valid_rows <= 0) return;
+  const int64_t first = col_unit * kPerCta;
+  if constexpr (kPerCta == 1) {
+    quantize_tile<T, kE4M3, kRowwise, kDbias, kVector>(x, a, span, block, first, tile);
+  } else {
+    const int64_t end = first + kPerCta < a.col_tiles ? first + kPerCta : a.col_tiles;
+#pragma unroll 1
+    for (int64_t col_tile = first; col_tile < end; ++col_tile) {
+      if (col_tile != first) __syncthreads();  // the last tile's column pass has read the shared tile
+      quantize_tile<T, kE4M3, kRowwise, kDbias, kVector>(x, a, span, block, col_tile, tile);
+    }
+  }
 }
 
 // dbias[e, c] from the per-block column sums of group e: warp w adds blocks
@@ -509,10 +540,11 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.source_rows = source_rows;
     args.col_tiles = col_tiles;
     args.padded_rows = columnwise_padded_rows(rows, num_groups);
-    // Column-wise only: bands of two column tiles. With the row-wise copy as
-    // well, the walk over all columns (the row-wise writes want whole rows).
-    // Measured: docs/kernels.md, "FP8 quantize".
-    args.band = rowwise || col_tiles < 2 ? col_tiles : 2;
+    // Column-wise only: bands of one unit (four column tiles). With the
+    // row-wise copy as well, the walk over all columns (the row-wise writes
+    // want whole rows). Measured: docs/kernels.md, "FP8 quantize".
+    const int64_t col_units = (col_tiles + tiles_per_cta(rowwise) - 1) / tiles_per_cta(rowwise);
+    args.band = rowwise ? col_units : 1;
     args.fp8_max = fp8_max;
     args.pow2 = config.pow2_scales != 0;
     args.epsilon = config.amax_epsilon;
@@ -524,7 +556,7 @@ mg_status quantize_grouped(const void* x, mg_dtype x_dtype, int64_t rows, int64_
     args.scale_inv_t = scale_inv_t;
     args.partials = partials;
     const bool vector = cols % 16 == 0 && aligned16(x) && aligned16(qt) && (!rowwise || aligned16(q));
-    const dim3 grid(static_cast<unsigned>(scale_rows * col_tiles));
+    const dim3 grid(static_cast<unsigned>(scale_rows * col_units));
     mg_status prepared = MG_OK;
     dispatch_types(x_dtype, config.fp8_dtype, [&](auto tag, auto e4m3) {
       using T = typename decltype(tag)::type;
