@@ -134,11 +134,14 @@ def test_rowwise_matches_reference_bitwise(cols, dtype, fp8_dtype, pow2, epsilon
 @pytest.mark.parametrize("pattern", SPLIT_PATTERNS)
 @pytest.mark.parametrize(
     "num_groups,rows,cols",
-    # The column-wise walk goes in bands of two column tiles: (16, 32768, 1024)
-    # has four, (6, 3000, 320) a last band of one. Each CTA scans m_splits
-    # with 256 threads: 300 and 1100 groups take two and five per thread.
+    # A column-wise-only CTA takes four column tiles of one block: (16, 32768,
+    # 1024) has two such units, (6, 3000, 320) one of three tiles, (12, 3000,
+    # 640) a full unit then one tile, (24, 5000, 776) a full unit then three
+    # tiles, the last 8 columns wide (unaligned rows: the element path). Each
+    # CTA scans m_splits with 256 threads: 300 and 1100 groups take two and
+    # five per thread.
     [(1, 300, 64), (4, 517, 200), (32, 4096, 128), (256, 2000, 96), (8, 1000, 7), (16, 32768, 1024),
-     (6, 3000, 320), (300, 2500, 128), (1100, 4000, 136)],
+     (6, 3000, 320), (12, 3000, 640), (24, 5000, 776), (300, 2500, 128), (1100, 4000, 136)],
 )
 @pytest.mark.parametrize("fp8_dtype", FP8, ids=str)
 @pytest.mark.parametrize("splits_dtype", [torch.int32, torch.int64], ids=str)
