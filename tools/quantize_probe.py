@@ -1,4 +1,4 @@
-"""Usage: python tools/quantize_probe.py [--shapes qwen3_30b_16k,h4096_e128_32k] [--passes tokens_colwise,...] [--rounds 4] [--ncu]
+"""Usage: python tools/quantize_probe.py [--shapes qwen3_30b_16k,...] [--passes tokens_colwise,...] [--rounds 4] [--ncu]
 
 The FP8 fused layer step's activation quantizations alone, at an issue-19 shape's sizes (benchmarks/kernels/
 gathered_gemm.py's SHAPES: R = T * k routed rows, top-k of uniform scores), each as the step calls it
@@ -49,7 +49,8 @@ class Step:
         rand = lambda *size: torch.randn(*size, device="cuda", generator=gen).bfloat16()  # noqa: E731
         self.x, self.dout = rand(t, h), rand(t, h)
         self.wh, self.dg = rand(self.rows, i), rand(self.rows, 2 * i)
-        self.copy_src, self.copy_dst = rand(self.rows, h), torch.empty(self.rows, h, device="cuda", dtype=torch.bfloat16)
+        self.copy_src = rand(self.rows, h)
+        self.copy_dst = torch.empty_like(self.copy_src)
 
     def written(self, cols: int, rowwise: bool, colwise: bool) -> int:
         """Bytes of the FP8 copies and their fp32 scales for ``cols`` columns of the R rows."""
