@@ -30,7 +30,6 @@ from common import L2Flush, graphed, timed_rounds  # noqa: E402
 from gathered_gemm import SHAPES  # noqa: E402
 
 from moe_grouped.fp8.quantize import quantize_rows  # noqa: E402
-from moe_grouped.fp8.quantize_reference import columnwise_padded_rows, columnwise_scale_rows  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
 PASSES = ("tokens_rowwise", "tokens_colwise", "dout_both", "wh_colwise", "dg_rowwise", "dg_colwise", "copy")
@@ -45,30 +44,17 @@ class Step:
         experts = torch.rand(t, e, device="cuda", generator=gen).topk(k, dim=1).indices.flatten()
         self.index = (torch.argsort(experts, stable=True) // k).to(torch.int32)  # permuted row -> token
         self.m_splits = torch.bincount(experts, minlength=e).to(torch.int32)
-        self.rows, self.groups = t * k, e
+        self.rows = t * k
         rand = lambda *size: torch.randn(*size, device="cuda", generator=gen).bfloat16()  # noqa: E731
         self.x, self.dout = rand(t, h), rand(t, h)
         self.wh, self.dg = rand(self.rows, i), rand(self.rows, 2 * i)
         self.copy_src = rand(self.rows, h)
         self.copy_dst = torch.empty_like(self.copy_src)
 
-    def written(self, cols: int, rowwise: bool, colwise: bool) -> int:
-        """Bytes of the FP8 copies and their fp32 scales for ``cols`` columns of the R rows."""
-        total = 0
-        if rowwise:
-            total += self.rows * cols + self.rows * -(-cols // 128) * 4
-        if colwise:
-            total += cols * columnwise_padded_rows(self.rows, self.groups)
-            total += columnwise_scale_rows(self.rows, self.groups) * cols * 4
-        return total
-
     def run(self, name: str):
-        """(the pass as a callable, the bytes it moves)."""
-        s = self.m_splits
-        quantize = lambda src, index, splits, rowwise: (  # noqa: E731
-            lambda: quantize_rows(src, index, E4M3, True, 0.0, splits, rowwise, "cuda"))
+        """(the pass as a callable returning what it writes, the bf16 bytes it reads)."""
         if name == "copy":
-            return (lambda: self.copy_dst.copy_(self.copy_src)), 2 * self.copy_src.numel() * 2
+            return (lambda: self.copy_dst.copy_(self.copy_src)), self.copy_src.nbytes
         src, index, rowwise, colwise = {
             "tokens_rowwise": (self.x, self.index, True, False),
             "tokens_colwise": (self.x, self.index, False, True),
@@ -77,9 +63,16 @@ class Step:
             "dg_rowwise": (self.dg, None, True, False),
             "dg_colwise": (self.dg, None, False, True),
         }[name]
-        cols = src.shape[1]
-        moved = self.rows * cols * 2 + self.written(cols, rowwise, colwise)
-        return quantize(src, index, s if colwise else None, rowwise), moved
+        splits = self.m_splits if colwise else None
+        read = self.rows * src.shape[1] * src.element_size()  # each gathered row counted
+        return (lambda: quantize_rows(src, index, E4M3, True, 0.0, splits, rowwise, "cuda")), read
+
+
+def written(out) -> int:
+    """Bytes of what one pass writes: the copy's tensor, or the FP8 copies and their fp32 scales."""
+    if isinstance(out, torch.Tensor):
+        return out.nbytes
+    return sum(b.data.nbytes + b.scale_inv.nbytes for b in (out.rowwise, out.columnwise) if b is not None)
 
 
 def main() -> None:
@@ -102,9 +95,10 @@ def main() -> None:
                 fn(), fn()
             torch.cuda.synchronize()
             continue
+        moved_bytes = {name: read + written(fn()) for name, (fn, read) in runs.items()}
         times = timed_rounds({name: graphed(fn) for name, (fn, _) in runs.items()}, args.rounds, flush, per_round=3)
-        for name, (_, moved) in runs.items():
-            ms = statistics.median(times[name])
+        for name in runs:
+            ms, moved = statistics.median(times[name]), moved_bytes[name]
             print(f"{shape_name} {name:<15} {ms:8.4f} ms  {moved / 1e6:9.1f} MB  {moved / ms / 1e9:6.2f} TB/s")
         del step, runs
         torch.cuda.empty_cache()
