@@ -102,13 +102,76 @@ def graphed(fn, *, warmup: int = 3):
     return replay
 
 
-def dense_fp8_matmul(rows: int, cols: int, depth: int):
-    """One ``torch._scaled_mm`` of random E4M3 [rows, depth] x [depth, cols] into bfloat16, one scale per
-    tensor: the tensor cores' FP8 rate for a GEMM of those FLOPs, without block scaling or groups."""
+# The block scalings a dense stand-in can run with: (A's, B's) blocks, as torch._scaled_mm names them.
+# "1x128_128x128" is fprop's and dgrad's recipe (activations or gradients by weights), "1x128_1x128" the
+# wgrad's (both operands scaled per 128 along the reduction).
+BLOCK_SCALINGS = ("1x128_128x128", "1x128_1x128")
+
+
+def _block_scales(rows: int, cols: int, depth: int, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random positive scales for A [rows, depth] and B [depth, cols] in the layouts _scaled_mm's block
+    scalings take: A's 1x128 scales [rows, depth/128] rows-major (stride (1, rows)); B's 1x128
+    [depth/128, cols] row-major, B's 128x128 [depth/128, cols/128] stride (1, depth/128)."""
+    if depth % 128 or (scaling == "1x128_128x128" and cols % 128):
+        raise ValueError(f"block scaling {scaling} needs whole 128-blocks: depth {depth}, cols {cols}")
+    blocks = depth // 128
+    scale_a = (torch.rand(blocks, rows, device="cuda") + 0.5).t()
+    if scaling == "1x128_1x128":
+        scale_b = torch.rand(blocks, cols, device="cuda") + 0.5
+    elif scaling == "1x128_128x128":
+        scale_b = (torch.rand(cols // 128, blocks, device="cuda") + 0.5).t()
+    else:
+        raise ValueError(f"unknown block scaling {scaling!r}; known: {BLOCK_SCALINGS}")
+    return scale_a, scale_b
+
+
+def _expand_scales(scale_a, scale_b, rows, cols, depth):
+    """The per-element scales of A and B that ``_block_scales`` describes, for checking a product."""
+    a = scale_a.repeat_interleave(128, dim=1)[:, :depth]
+    b = scale_b.repeat_interleave(128, dim=0)[:depth]
+    if b.shape[1] != cols:
+        b = b.repeat_interleave(128, dim=1)[:, :cols]
+    return a, b
+
+
+_checked_scalings: set[str] = set()
+
+
+def _check_block_scaling(scaling: str) -> None:
+    """Once per scaling: a small block-scaled _scaled_mm against the dequantized product, so that a
+    stand-in never times a layout torch reads differently from the one meant."""
+    if scaling in _checked_scalings:
+        return
+    rows, cols, depth = 256, 384, 512
+    a = torch.randn(rows, depth, device="cuda").to(torch.float8_e4m3fn)
+    bt = torch.randn(cols, depth, device="cuda").to(torch.float8_e4m3fn)
+    scale_a, scale_b = _block_scales(rows, cols, depth, scaling)
+    got = torch._scaled_mm(a, bt.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
+    sa, sb = _expand_scales(scale_a, scale_b, rows, cols, depth)
+    want = (a.float() * sa) @ (bt.t().float() * sb)
+    err = ((got - want).norm() / want.norm()).item()
+    if err > 1e-3:
+        raise RuntimeError(f"torch._scaled_mm with {scaling} scaling is off by {err:.2e} from the "
+                           "dequantized product: the scale layouts here are not the ones it reads")
+    _checked_scalings.add(scaling)
+
+
+def dense_fp8_matmul(rows: int, cols: int, depth: int, scaling: str = "tensor"):
+    """One ``torch._scaled_mm`` of random E4M3 [rows, depth] x [depth, cols] into bfloat16.
+
+    ``scaling="tensor"``: one scale per tensor, the tensor cores' FP8 rate for a GEMM of those FLOPs
+    without block scaling or groups. One of ``BLOCK_SCALINGS``: the same GEMM with the recipe's block
+    scales promoted at every 128-deep block (cuBLAS's kernels, CUDA 12.9 or later), checked once
+    against the dequantized product.
+    """
     a = torch.randn(rows, depth, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(cols, depth, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm takes B
-    one = torch.ones((), device="cuda")
-    return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    if scaling == "tensor":
+        scale_a = scale_b = torch.ones((), device="cuda")
+    else:
+        _check_block_scaling(scaling)
+        scale_a, scale_b = _block_scales(rows, cols, depth, scaling)
+    return lambda: torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
 
 
 def forced(env: dict, fn):

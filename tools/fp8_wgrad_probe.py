@@ -9,6 +9,7 @@ For each case (an expert's dW of N x K, E experts) and each reduction length (to
   fp8_along_n             fp8 with the tiles walked along N (MOE_GROUPED_GEMM_RASTER=n; along M by default)
   bf16                    the core's bf16 wgrad
   dense_fp8               torch._scaled_mm of [E*N, T] x [T, K]: the same FLOPs and reduction length
+  dense_fp8_block         the same with both operands scaled per 128 along T (the wgrad's recipe; cuBLAS)
 With --digest it prints a digest of each FP8 output instead (two core builds give the same bits when
 their digests match). With --ncu CASE:TOKENS it only runs that case's FP8 wgrad into bf16 and the bf16 one, twice each, untimed,
 for `ncu --clock-control none -k regex:... python tools/fp8_wgrad_probe.py --ncu ...`.
@@ -89,8 +90,8 @@ class Case:
     def bf16_wgrad(self):
         return lambda: cuda_backend.wgrad(self.dy, self.x, self.splits, [self.dw], False)
 
-    def dense_fp8(self):
-        return dense_fp8_matmul(self.e * self.n, self.k, self.rows // self.e)
+    def dense_fp8(self, scaling: str = "tensor"):
+        return dense_fp8_matmul(self.e * self.n, self.k, self.rows // self.e, scaling)
 
 
 def digest(t: torch.Tensor) -> str:
@@ -110,7 +111,8 @@ def measure(name: str, tokens: int, splits: str, rounds: int, flush: L2Flush) ->
             "fp8_fp32": graphed(case.fp8_wgrad(case.dw32)),
             "fp8_along_n": graphed(forced(ALONG_N, case.fp8_wgrad(case.dw))),
             "bf16": graphed(case.bf16_wgrad()),
-            "dense_fp8": graphed(case.dense_fp8())}
+            "dense_fp8": graphed(case.dense_fp8()),
+            "dense_fp8_block": graphed(case.dense_fp8("1x128_1x128"))}
     times = timed_rounds(runs, rounds, flush, per_round=10)
     rows = []
     for backend, runs_ms in times.items():

@@ -9,10 +9,16 @@ timed in interleaved rounds (median, 256 MB L2 flush before each), in one proces
   dense       one bf16 matmul of the same FLOPs ([R, K] x [K, N])
   dense_fp8   one FP8 matmul of the same FLOPs (torch._scaled_mm, E4M3, one scale per tensor: the
               tensor cores' FP8 rate without block scaling or groups)
+  dense_fp8_block  the same FLOPs with the recipe's block scales (cuBLAS's block-scaled kernels through
+              torch._scaled_mm), every 128-deep block promoted as the core's kernels promote it: fprop
+              and dgrad as dense_fp8 with 1x128 by 128x128 scales; wgrad as [E*N, R/E] x [R/E, K],
+              both operands scaled per 128 along the reduction (an expert's tokens)
 Then op ``fwd_bwd``: the fused MoELayer step as benchmarks/moe_layer.py runs it, bf16 and inside
 fp8_autocast (``cuda_fused_graphed``, ``cuda_fp8_fused_graphed``), and the derived row
 ``fp8_dense_gemms`` (``"derived": true``): the FP8 step with each of its GEMMs' time replaced by the
-dense FP8 GEMM's (the rest of the step as measured), the ceiling of this design with perfect GEMMs.
+dense FP8 GEMM's (the rest of the step as measured), the ceiling of this design with perfect GEMMs;
+and ``fp8_block_dense_gemms``, the same with the dense block-scaled GEMMs' times: the ceiling of this
+recipe with GEMMs as fast as cuBLAS's dense ones.
 
     python benchmarks/kernels/fp8_ceiling.py [--shapes qwen3_30b_16k,...]   # table + results/fp8_ceiling-<gpu>.json
 """
@@ -65,9 +71,20 @@ class Fp8Operands:
         }[op]
 
 
-def dense_fp8(ex: Experts, op: str):
+def dense_fp8(ex: Experts, op: str, scaling: str = "tensor"):
+    """The dense stand-in of ``op``: [R, K] x [K, N]; with the wgrad's block scaling, [E*N, R/E] x [R/E, K]
+    instead (the same FLOPs), so that the reduction it promotes along is as long as an expert's tokens."""
     n, k = ex.nk[op]
-    return dense_fp8_matmul(ex.rows, n, k)
+    if scaling == "1x128_1x128":
+        e = ex.m_splits.numel()
+        return dense_fp8_matmul(e * n, k, -(-ex.rows // (128 * e)) * 128, scaling)
+    return dense_fp8_matmul(ex.rows, n, k, scaling)
+
+
+def recipe_scaling(op: str) -> str:
+    """The block scaling of ``op``'s operands in the recipe: the wgrads reduce over tokens, along which
+    both of their operands (the column-wise copies) are scaled per 128."""
+    return "1x128_1x128" if op.endswith("wgrad") else "1x128_128x128"
 
 
 def gemm_rows(name: str, rounds: int, flush: L2Flush) -> list[dict]:
@@ -76,7 +93,8 @@ def gemm_rows(name: str, rounds: int, flush: L2Flush) -> list[dict]:
     rows = []
     for op in OPS:
         runs = {"cuda": graphed(ex.core(op)), "cuda_fp8": graphed(q.run(op)),
-                "dense": graphed(ex.reference(op, "dense")), "dense_fp8": graphed(dense_fp8(ex, op))}
+                "dense": graphed(ex.reference(op, "dense")), "dense_fp8": graphed(dense_fp8(ex, op)),
+                "dense_fp8_block": graphed(dense_fp8(ex, op, recipe_scaling(op)))}
         rows += round_rows(runs, rounds, flush, f"{name} {op}", ex.flops(op), BENCH, op, name, "topk_random")
     return rows
 
@@ -87,9 +105,10 @@ def layer_rows(name: str, flush: L2Flush, gemms: list[dict]) -> list[dict]:
     rows = [dict(r, bench=BENCH) for r in rows if r["backend"].endswith("_graphed")]
     step = next(r["ms"] for r in rows if r["backend"] == "cuda_fp8_fused_graphed")
     ms = {(r["op"], r["backend"]): r["ms"] for r in gemms}
-    ceiling = step - sum(ms[(op, "cuda_fp8")] - ms[(op, "dense_fp8")] for op in OPS)
-    rows.append({"bench": BENCH, "op": "fwd_bwd", "shape": name, "splits": "router", "backend": "fp8_dense_gemms",
-                 "ms": round(ceiling, 4), "tflops": round(shape.flops() / ceiling / 1e9, 1), "derived": True})
+    for backend, dense in (("fp8_dense_gemms", "dense_fp8"), ("fp8_block_dense_gemms", "dense_fp8_block")):
+        ceiling = step - sum(ms[(op, "cuda_fp8")] - ms[(op, dense)] for op in OPS)
+        rows.append({"bench": BENCH, "op": "fwd_bwd", "shape": name, "splits": "router", "backend": backend,
+                     "ms": round(ceiling, 4), "tflops": round(shape.flops() / ceiling / 1e9, 1), "derived": True})
     return rows
 
 
@@ -97,13 +116,17 @@ def summarize(rows: list[dict]) -> None:
     print("\nper shape: sum of the six GEMMs (ms), and the step (graphed)")
     for name in dict.fromkeys(r["shape"] for r in rows):
         ms = {(r["op"], r["backend"]): r["ms"] for r in rows if r["shape"] == name}
-        sums = {b: sum(ms[(op, b)] for op in OPS) for b in ("cuda", "cuda_fp8", "dense", "dense_fp8")}
-        bf16, fp8_step, ceiling = (ms[("fwd_bwd", b)] for b in
-                                   ("cuda_fused_graphed", "cuda_fp8_fused_graphed", "fp8_dense_gemms"))
+        sums = {b: sum(ms[(op, b)] for op in OPS)
+                for b in ("cuda", "cuda_fp8", "dense", "dense_fp8", "dense_fp8_block")}
+        bf16, fp8_step, ceiling, block_ceiling = (
+            ms[("fwd_bwd", b)] for b in
+            ("cuda_fused_graphed", "cuda_fp8_fused_graphed", "fp8_dense_gemms", "fp8_block_dense_gemms"))
         print(f"  {name:<16} GEMMs bf16 {sums['cuda']:.3f}  fp8 {sums['cuda_fp8']:.3f} "
               f"({sums['cuda'] / sums['cuda_fp8']:.2f}x)  dense bf16 {sums['dense']:.3f}  dense fp8 "
-              f"{sums['dense_fp8']:.3f};  step bf16 {bf16:.3f}  fp8 {fp8_step:.3f} ({bf16 / fp8_step:.2f}x)  "
-              f"with dense-fp8 GEMMs {ceiling:.3f} ({bf16 / ceiling:.2f}x)")
+              f"{sums['dense_fp8']:.3f}  dense fp8 block-scaled {sums['dense_fp8_block']:.3f};  "
+              f"step bf16 {bf16:.3f}  fp8 {fp8_step:.3f} ({bf16 / fp8_step:.2f}x)  "
+              f"with dense-fp8 GEMMs {ceiling:.3f} ({bf16 / ceiling:.2f}x), "
+              f"block-scaled {block_ceiling:.3f} ({bf16 / block_ceiling:.2f}x)")
 
 
 def main() -> None:

@@ -138,8 +138,9 @@ struct Fp8GroupedGemm {
   // fprop and dgrad store their 128x256 tile as four 128x64 pieces through two
   // buffers rather than CUTLASS's default eight 128x32 pieces, fewer of which
   // wait for an earlier piece's store to drain: part of what every tile costs
-  // whatever its K, which counts most at a short K. wgrad keeps the default
-  // (its C buffers grow with the pieces; not measured). docs/kernels.md, "FP8 GEMMs".
+  // whatever its K, which counts most at a short K. wgrad keeps the default:
+  // with its C buffers growing with the pieces it measured no faster into
+  // bf16, and into fp32 it would lose two mainloop stages. docs/kernels.md, "FP8 GEMMs".
   using EpilogueTile = std::conditional_t<kWideTile && Kind != MG_GEMM_WGRAD, cute::Shape<_128, cute::_64>,
                                           cutlass::epilogue::collective::EpilogueTileAuto>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
