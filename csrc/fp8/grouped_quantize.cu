@@ -156,15 +156,18 @@ struct GroupsEnd {
   int64_t block;
 };
 
+// A group's padded start is 128 times its block start (both round its tokens
+// up to 128: core/columnwise_layout.h), so only the blocks are scanned.
+static_assert(kColumnwiseAlign == kColumnwiseBlock, "padded starts are derived from block starts");
+
 // Calls visit(g, o_g, m_g, {p_g, b_g}) once for every group, spread over the
 // CTA's threads (consecutive groups per thread), m_g the clamped count. All
 // kThreads threads must call.
 template <typename Visitor>
 __device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Visitor visit) {
-  using RowScan = cub::BlockScan<int64_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  using ExtentScan = cub::BlockScan<ColumnwiseStart, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ typename RowScan::TempStorage row_storage;
-  __shared__ typename ExtentScan::TempStorage extent_storage;
+  using Scan = cub::BlockScan<int64_t, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  __shared__ typename Scan::TempStorage row_storage;
+  __shared__ typename Scan::TempStorage block_storage;
   const int per_thread = (num_groups + kThreads - 1) / kThreads;
   const int first = min(static_cast<int>(threadIdx.x) * per_thread, num_groups);
   const int last = min(first + per_thread, num_groups);
@@ -173,28 +176,28 @@ __device__ GroupsEnd scan_groups(Splits splits, int num_groups, int64_t rows, Vi
   for (int g = first; g < last; ++g) counts += clamped_split(splits, g, rows);
   int64_t before = 0;  // clamped counts of the groups before this thread's
   int64_t all_counts = 0;
-  RowScan(row_storage).ExclusiveSum(counts, before, all_counts);
+  Scan(row_storage).ExclusiveSum(counts, before, all_counts);
 
-  ColumnwiseStart extents{0, 0};  // padded tokens and scale blocks of this thread's groups
+  int64_t blocks = 0;  // scale blocks of this thread's groups
   int64_t sum = before;
   for (int g = first; g < last; ++g) {
     const int64_t count = clamped_split(splits, g, rows);
-    extents = ColumnwiseStartSum{}(extents, columnwise_extent(group_rows(sum, count, rows).count));
+    blocks += columnwise_extent(group_rows(sum, count, rows).count).block;
     sum += count;
   }
-  ColumnwiseStart at{0, 0};
-  ColumnwiseStart all_extents{0, 0};
-  ExtentScan(extent_storage).ExclusiveScan(extents, at, ColumnwiseStart{0, 0}, ColumnwiseStartSum{}, all_extents);
+  int64_t block = 0;
+  int64_t all_blocks = 0;
+  Scan(block_storage).ExclusiveSum(blocks, block, all_blocks);
 
   sum = before;
   for (int g = first; g < last; ++g) {
     const int64_t count = clamped_split(splits, g, rows);
     const GroupRows group = group_rows(sum, count, rows);
-    visit(g, group.start, group.count, at);
-    at = ColumnwiseStartSum{}(at, columnwise_extent(group.count));
+    visit(g, group.start, group.count, ColumnwiseStart{block * kColumnwiseAlign, block});
+    block += columnwise_extent(group.count).block;
     sum += count;
   }
-  return {all_counts < rows ? all_counts : rows, all_extents.block};
+  return {all_counts < rows ? all_counts : rows, all_blocks};
 }
 
 // Where scale block `block` lies: block j of group `group`, its tokens from
@@ -418,9 +421,10 @@ __device__ inline void quantize_tile(const T* __restrict__ x, const GroupedArgs&
   column_pass<T, kE4M3, kDbias>(tile, a, span, block, col0, kVector);
 }
 
-// Four CTAs per SM for the column-wise-only kernel (64 registers, no spills).
+// Four CTAs per SM for 16-bit inputs (64 registers; with the row-wise copy 8
+// bytes of spills, which measured faster than three CTAs at 75 registers).
 template <typename T, bool kE4M3, bool kRowwise, bool kDbias, bool kVector>
-__global__ void __launch_bounds__(kThreads, kRowwise ? 1 : 4)
+__global__ void __launch_bounds__(kThreads, sizeof(T) == 4 ? 1 : 4)
     grouped_1x128_kernel(const T* __restrict__ x, const GroupedArgs a) {
   extern __shared__ __align__(16) unsigned char tile[];  // [128][128] T, swizzled
 
