@@ -110,8 +110,8 @@ BLOCK_SCALINGS = ("1x128_128x128", "1x128_1x128")
 
 def _block_scales(rows: int, cols: int, depth: int, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Random positive scales for A [rows, depth] and B [depth, cols] in the layouts _scaled_mm's block
-    scalings take: A's 1x128 scales [rows, depth/128] rows-major (stride (1, rows)); B's 1x128
-    [depth/128, cols] row-major, B's 128x128 [depth/128, cols/128] stride (1, depth/128)."""
+    scalings take: A's 1x128 scales [rows, depth/128] column-major (stride (1, rows)); B's 1x128
+    [depth/128, cols] row-major, B's 128x128 [depth/128, cols/128] column-major."""
     if depth % 128 or (scaling == "1x128_128x128" and cols % 128):
         raise ValueError(f"block scaling {scaling} needs whole 128-blocks: depth {depth}, cols {cols}")
     blocks = depth // 128
@@ -125,12 +125,12 @@ def _block_scales(rows: int, cols: int, depth: int, scaling: str) -> tuple[torch
     return scale_a, scale_b
 
 
-def _expand_scales(scale_a, scale_b, rows, cols, depth):
+def _expand_scales(scale_a, scale_b, scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-element scales of A and B that ``_block_scales`` describes, for checking a product."""
-    a = scale_a.repeat_interleave(128, dim=1)[:, :depth]
-    b = scale_b.repeat_interleave(128, dim=0)[:depth]
-    if b.shape[1] != cols:
-        b = b.repeat_interleave(128, dim=1)[:, :cols]
+    a = scale_a.repeat_interleave(128, dim=1)
+    b = scale_b.repeat_interleave(128, dim=0)
+    if scaling == "1x128_128x128":
+        b = b.repeat_interleave(128, dim=1)
     return a, b
 
 
@@ -147,7 +147,7 @@ def _check_block_scaling(scaling: str) -> None:
     bt = torch.randn(cols, depth, device="cuda").to(torch.float8_e4m3fn)
     scale_a, scale_b = _block_scales(rows, cols, depth, scaling)
     got = torch._scaled_mm(a, bt.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.float32)
-    sa, sb = _expand_scales(scale_a, scale_b, rows, cols, depth)
+    sa, sb = _expand_scales(scale_a, scale_b, scaling)
     want = (a.float() * sa) @ (bt.t().float() * sb)
     err = ((got - want).norm() / want.norm()).item()
     if err > 1e-3:

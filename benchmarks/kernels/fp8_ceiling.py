@@ -73,7 +73,8 @@ class Fp8Operands:
 
 def dense_fp8(ex: Experts, op: str, scaling: str = "tensor"):
     """The dense stand-in of ``op``: [R, K] x [K, N]; with the wgrad's block scaling, [E*N, R/E] x [R/E, K]
-    instead (the same FLOPs), so that the reduction it promotes along is as long as an expert's tokens."""
+    instead (the same FLOPs; R/E rounded up to whole 128-token blocks, which the five shapes have), so
+    that the reduction it promotes along is as long as an expert's tokens."""
     n, k = ex.nk[op]
     if scaling == "1x128_1x128":
         e = ex.m_splits.numel()
